@@ -1,0 +1,316 @@
+"""LMCacheEngine: token ids -> chunk keys -> GPU connector (gather/scatter) -> StorageManager."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.gpu_connector import GPUConnectorInterface, VLLMPagedMemLayerwiseGPUConnector
+from lmcache_triton.memory import MemoryObj
+from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.observability import LMCStatsMonitor
+from lmcache_triton.storage.manager import StorageManager
+from lmcache_triton.token_database import CacheEngineKey, ChunkedTokenDatabase
+
+logger = logging.getLogger("lmcache_triton")
+
+Tokens = torch.Tensor | Sequence[int]
+
+
+def _drain(gen: Generator[Any, None, Any]) -> Any:
+    """Runs a generator to its end and returns its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _sync(kvcaches: Sequence[torch.Tensor] | None) -> None:
+    """Waits for queued copies: a chunk is visible to other readers only once its bytes landed."""
+    if kvcaches and kvcaches[0].is_cuda:
+        torch.cuda.current_stream(kvcaches[0].device).synchronize()
+
+
+class LMCacheEngine:
+    """Stores and retrieves the KV of token sequences, chunk by chunk.
+
+    Keyword arguments of store/retrieve/store_layer/retrieve_layer go to the GPU connector
+    (`kvcaches`, `slot_mapping`, `offset`), except `namespace` (the request's cache salt: keys in
+    one namespace never match another's) and `extra_hashes` (per-chunk bytes folded into the key,
+    e.g. multimodal input hashes).
+    """
+
+    def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
+                 gpu_connector: GPUConnectorInterface, *, storage_manager: StorageManager | None = None) -> None:
+        if config.chunk_size != metadata.chunk_size:
+            raise ValueError(
+                f"config chunk_size={config.chunk_size} differs from metadata kv_shape[2]={metadata.chunk_size}"
+            )
+        if gpu_connector.num_layers != metadata.num_layers or gpu_connector.hidden_dim_size != metadata.hidden_dim_size:
+            raise ValueError("gpu_connector geometry does not match the engine metadata")
+        self.config = config
+        self.metadata = metadata
+        self.gpu_connector = gpu_connector
+        self.layerwise = isinstance(gpu_connector, VLLMPagedMemLayerwiseGPUConnector)
+        self.token_database = ChunkedTokenDatabase(
+            config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt
+        )
+        self.storage_manager = storage_manager or StorageManager(config)
+        self.stats_monitor = LMCStatsMonitor()
+        self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
+        self._pins_lock = threading.Lock()
+        logger.info(
+            "lmcache_triton engine: model=%s rank=%d/%d dtype=%s kv_shape=%s connector=%s layout=%s config: %s",
+            metadata.model_name, metadata.worker_id, metadata.world_size, metadata.dtype_name,
+            metadata.kv_shape, type(gpu_connector).__name__, gpu_connector.layout, config,
+        )
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _chunks(self, tokens: Tokens, mask: torch.Tensor | None, kwargs: dict[str, Any]):
+        return self.token_database.process_tokens(
+            tokens, mask, namespace=kwargs.pop("namespace", "") or "", extra_hashes=kwargs.pop("extra_hashes", None)
+        )
+
+    def _object_keys(self, key: CacheEngineKey) -> list[CacheEngineKey]:
+        """The storage keys of one chunk: itself, or one per layer in the layerwise mode."""
+        if self.layerwise:
+            return [key.with_layer(layer) for layer in range(self.metadata.num_layers)]
+        return [key]
+
+    def _check_caches(self, kwargs: dict[str, Any]) -> None:
+        if "kvcaches" in kwargs:
+            self.gpu_connector.check_caches(kwargs["kvcaches"])
+
+    # ---- all layers at once --------------------------------------------------------------------
+    @torch.inference_mode()
+    def store(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
+        """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now."""
+        if self.layerwise:
+            return _drain(self.store_layer(tokens, mask, **kwargs))
+        self._check_caches(kwargs)
+        t0 = time.perf_counter()
+        stored: list[tuple[CacheEngineKey, MemoryObj]] = []
+        num_tokens = refusals = 0
+        for start, end, key in self._chunks(tokens, mask, kwargs):
+            if self.storage_manager.contains(key):
+                continue
+            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(end - start),
+                                                self.metadata.kv_dtype, self.gpu_connector.fmt)
+            if obj is None:  # the tier is full of pinned chunks: later chunks are useless without this one
+                refusals += 1
+                break
+            self.gpu_connector.from_gpu(obj, start, end, **kwargs)
+            stored.append((key, obj))
+            num_tokens += end - start
+        _sync(kwargs.get("kvcaches"))
+        nbytes = sum(obj.tensor.nbytes for _, obj in stored)
+        self.storage_manager.batched_put([k for k, _ in stored], [o for _, o in stored])
+        self.stats_monitor.on_store(num_tokens, nbytes, time.perf_counter() - t0, refusals)
+        return num_tokens
+
+    @torch.inference_mode()
+    def retrieve(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """Loads the longest stored prefix into the paged cache; returns a bool mask of loaded tokens."""
+        if self.layerwise:
+            ret = None
+            for ret in self.retrieve_layer(tokens, mask, **kwargs):
+                pass
+            return ret
+        self._check_caches(kwargs)
+        t0 = time.perf_counter()
+        ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
+        requested = len(tokens) - (0 if mask is None else int((~mask.bool()).sum()))
+        used: list[CacheEngineKey] = []
+        try:
+            for start, end, key in self._chunks(tokens, mask, kwargs):
+                obj = self.storage_manager.get(key)
+                if obj is None:
+                    break
+                used.append(key)
+                self.gpu_connector.to_gpu(obj, start, end, **kwargs)
+                ret_mask[start:end] = True
+            _sync(kwargs.get("kvcaches"))
+        finally:
+            for key in used:
+                self.storage_manager.unpin(key)
+        hit = int(ret_mask.sum())
+        self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
+                                       time.perf_counter() - t0)
+        return ret_mask
+
+    def lookup(self, tokens: Tokens, pin: bool = False, *, lookup_id: str | None = None, **kwargs: Any) -> int:
+        """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
+        partial chunk). With `pin`, the chunks it reports stay in the CPU tier until
+        `lookup_unpin(lookup_id)`, so the load that follows finds them."""
+        hit = 0
+        pinned: list[CacheEngineKey] = []
+        for _, end, key in self._chunks(tokens, None, kwargs):
+            keys = self._object_keys(key)
+            n = self.storage_manager.batched_contains(keys, pin=pin)
+            if pin:
+                pinned.extend(keys[:n])
+            if n < len(keys):
+                break
+            hit = end
+        if pin:
+            with self._pins_lock:
+                self._lookup_pins.setdefault(lookup_id or "", []).extend(pinned)
+        self.stats_monitor.on_lookup(len(tokens), hit)
+        return hit
+
+    def lookup_unpin(self, lookup_id: str | None = None) -> None:
+        """Releases the pins a `lookup(pin=True, lookup_id=...)` took."""
+        with self._pins_lock:
+            keys = self._lookup_pins.pop(lookup_id or "", [])
+        for key in keys:
+            self.storage_manager.unpin(key)
+
+    # ---- layerwise -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def store_layer(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> Generator[None, None, int]:
+        """Generator: each `next()` saves one layer of every new chunk (layer 0 first), so vLLM can
+        call it from `save_kv_layer` after each layer's forward. One object per (chunk, layer)."""
+        if not self.layerwise:
+            raise RuntimeError("store_layer needs a layerwise GPU connector (config use_layerwise: true)")
+        self._check_caches(kwargs)
+        t0 = time.perf_counter()
+        num_layers = self.metadata.num_layers
+        starts: list[int] = []
+        ends: list[int] = []
+        keys: list[CacheEngineKey] = []
+        objs_by_chunk: list[list[MemoryObj]] = []
+        refusals = 0
+        for start, end, key in self._chunks(tokens, mask, kwargs):
+            layer_keys = self._object_keys(key)
+            if self.storage_manager.batched_contains(layer_keys) == num_layers:
+                continue
+            objs = []
+            for _ in range(num_layers):
+                obj = self.storage_manager.allocate(self.gpu_connector.get_shape(end - start),
+                                                    self.metadata.kv_dtype, self.gpu_connector.fmt)
+                if obj is None:
+                    break
+                objs.append(obj)
+            if len(objs) < num_layers:
+                for obj in objs:
+                    obj.free()
+                refusals += 1
+                break
+            starts.append(start)
+            ends.append(end)
+            keys.append(key)
+            objs_by_chunk.append(objs)
+        by_layer = [[objs[layer] for objs in objs_by_chunk] for layer in range(num_layers)]
+        mover = self.gpu_connector.batched_from_gpu(by_layer, starts, ends, **kwargs)
+        for layer in range(num_layers):
+            next(mover)
+            _sync(kwargs.get("kvcaches"))
+            self.storage_manager.batched_put([k.with_layer(layer) for k in keys], by_layer[layer])
+            yield
+        stored = sum(e - s for s, e in zip(starts, ends))
+        self.stats_monitor.on_store(stored, stored * self.metadata.bytes_per_token(),
+                                    time.perf_counter() - t0, refusals)
+        return stored
+
+    @torch.inference_mode()
+    def retrieve_layer(self, tokens: Tokens, mask: torch.Tensor | None = None,
+                       **kwargs: Any) -> Generator[torch.Tensor | None, None, None]:
+        """Generator: yields None after each layer is loaded (layer 0 first), then the ret_mask.
+
+        vLLM's worker calls `next()` before the forward and once per `wait_for_layer_load`."""
+        if not self.layerwise:
+            raise RuntimeError("retrieve_layer needs a layerwise GPU connector (config use_layerwise: true)")
+        self._check_caches(kwargs)
+        t0 = time.perf_counter()
+        num_layers = self.metadata.num_layers
+        ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
+        requested = len(tokens) - (0 if mask is None else int((~mask.bool()).sum()))
+        starts: list[int] = []
+        ends: list[int] = []
+        keys: list[CacheEngineKey] = []
+        objs_by_chunk: list[list[MemoryObj]] = []
+        for start, end, key in self._chunks(tokens, mask, kwargs):
+            layer_keys = self._object_keys(key)
+            objs = []
+            for k in layer_keys:
+                obj = self.storage_manager.get(k)
+                if obj is None:
+                    break
+                objs.append(obj)
+            if len(objs) < num_layers:
+                for k in layer_keys[:len(objs)]:
+                    self.storage_manager.unpin(k)
+                break
+            starts.append(start)
+            ends.append(end)
+            keys.append(key)
+            objs_by_chunk.append(objs)
+            ret_mask[start:end] = True
+        by_layer = [[objs[layer] for objs in objs_by_chunk] for layer in range(num_layers)]
+        mover = self.gpu_connector.batched_to_gpu(by_layer, starts, ends, **kwargs)
+        done = 0
+        try:
+            for layer in range(num_layers):
+                next(mover)
+                _sync(kwargs.get("kvcaches"))
+                for k in keys:
+                    self.storage_manager.unpin(k.with_layer(layer))
+                done = layer + 1
+                yield None
+        finally:  # a generator closed early, or failing, still releases its pins
+            for layer in range(done, num_layers):
+                for k in keys:
+                    self.storage_manager.unpin(k.with_layer(layer))
+        hit = int(ret_mask.sum())
+        self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
+                                       time.perf_counter() - t0)
+        yield ret_mask
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def get_stats(self):
+        return self.stats_monitor.get_stats()
+
+    def close(self) -> None:
+        with self._pins_lock:
+            self._lookup_pins.clear()
+        self.storage_manager.close()
+
+
+class LMCacheEngineBuilder:
+    """Process-wide registry of engines by instance id (one per vLLM worker)."""
+
+    _engines: dict[str, LMCacheEngine] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def get_or_create(cls, instance_id: str, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
+                      gpu_connector: GPUConnectorInterface) -> LMCacheEngine:
+        with cls._lock:
+            engine = cls._engines.get(instance_id)
+            if engine is None:
+                engine = LMCacheEngine(config, metadata, gpu_connector)
+                cls._engines[instance_id] = engine
+            elif engine.config != config or engine.metadata != metadata:
+                raise ValueError(
+                    f"engine {instance_id!r} already exists with another config or metadata; destroy() it first"
+                )
+            return engine
+
+    @classmethod
+    def get(cls, instance_id: str) -> LMCacheEngine | None:
+        with cls._lock:
+            return cls._engines.get(instance_id)
+
+    @classmethod
+    def destroy(cls, instance_id: str) -> None:
+        with cls._lock:
+            engine = cls._engines.pop(instance_id, None)
+        if engine is not None:
+            engine.close()

@@ -1,0 +1,96 @@
+"""Input validation shared by the Triton launchers and the pure-torch references."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import KVGeometry, check_layout, kv_geometry, kv_views
+
+# Copies never convert: every dtype is moved as the integer type of its width.
+_INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Same storage, viewed as the integer dtype of the same width (works for any strides)."""
+    try:
+        return t.view(_INT_BY_SIZE[t.element_size()])
+    except KeyError:
+        raise ValueError(f"unsupported dtype {t.dtype} (element size {t.element_size()})") from None
+
+
+@dataclass(frozen=True)
+class Layers:
+    """All layers of one paged cache, as 4-D K/V views [num_blocks, block_size, heads, head_size]."""
+
+    layout: str
+    geometry: KVGeometry
+    k: list[torch.Tensor]
+    v: list[torch.Tensor] | None  # None for MLA
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_kv(self) -> int:
+        return 1 if self.geometry.use_mla else 2
+
+
+def prepare_layers(kv_caches: Sequence[torch.Tensor], layout: str, name: str = "kv_caches") -> Layers:
+    check_layout(layout)
+    if isinstance(kv_caches, torch.Tensor) or len(kv_caches) == 0:
+        raise ValueError(f"{name} must be a non-empty sequence of per-layer tensors")
+    first = kv_caches[0]
+    for i, t in enumerate(kv_caches):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != first.shape or t.stride() != first.stride():
+            raise ValueError(
+                f"{name}[{i}] has shape {tuple(t.shape)} / stride {t.stride()}, but {name}[0] has "
+                f"shape {tuple(first.shape)} / stride {first.stride()}: all layers must match")
+        if t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"{name}[{i}] is {t.dtype} on {t.device}, but {name}[0] is "
+                             f"{first.dtype} on {first.device}: all layers must match")
+    if first.element_size() not in _INT_BY_SIZE:
+        raise ValueError(f"{name} has unsupported dtype {first.dtype}")
+    geo = kv_geometry(first, layout)
+    ks, vs = [], []
+    for t in kv_caches:
+        k, v = kv_views(t, layout)
+        ks.append(k.unsqueeze(2) if geo.use_mla else k)
+        vs.append(v)
+    return Layers(layout, geo, ks, None if geo.use_mla else vs, first.dtype, first.device)
+
+
+def prepare_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise ValueError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be a 1-D int32/int64 tensor, got "
+                         f"{slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}")
+    return slot_mapping.to(device, non_blocking=True).contiguous()
+
+
+def check_chunk(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype} (the cache dtype), got {t.dtype}")
+
+
+def chunk_shape(layers: Layers, num_tokens: int) -> tuple[int, ...]:
+    """KV_2LTD [2, L, T, hidden]; MLA [1, L, T, C]."""
+    return (layers.num_kv, layers.num_layers, num_tokens, layers.geometry.hidden)
+
+
+def layer_chunk_shape(layers: Layers, num_tokens: int) -> tuple[int, ...]:
+    """KV_T2D [T, 2, hidden]; MLA [T, C]."""
+    g = layers.geometry
+    return (num_tokens, g.hidden) if g.use_mla else (num_tokens, 2, g.hidden)

@@ -1,0 +1,83 @@
+"""Layout adapter: one layer's KV tensor as vLLM hands it over -> strided K and V views.
+
+Every kernel in this package works on views of logical shape
+``[num_blocks, block_size, num_kv_heads, head_size]`` (MLA: ``[num_blocks, block_size, C]``),
+reading the strides; no layout is ever copied or assumed contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS: tuple[str, ...] = ("vllm_packed", "vllm_cpu", "flash_attn", "flashinfer", "mla")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    use_mla: bool
+
+    @property
+    def hidden(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+
+def _bad(layout: str, kv_cache: torch.Tensor, why: str) -> ValueError:
+    return ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} cannot be layout {layout!r}: {why}")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def kv_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return views K, V of logical shape [num_blocks, block_size, num_kv_heads, head_size].
+
+    For ``"mla"`` returns ``(kv_cache, None)`` with shape [num_blocks, block_size, C].
+    The views share storage with ``kv_cache`` (no copies).
+    """
+    check_layout(layout)
+    if not isinstance(kv_cache, torch.Tensor):
+        raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    shape = kv_cache.shape
+    if layout == "vllm_packed":
+        # [num_blocks, heads, block_size, 2 * head_size], any physical axis order.
+        if kv_cache.dim() != 4 or shape[3] % 2 != 0:
+            raise _bad(layout, kv_cache, "expected [num_blocks, heads, block_size, 2*head_size]")
+        x = kv_cache.permute(0, 2, 1, 3)
+        hs = shape[3] // 2
+        return x[..., :hs], x[..., hs:]
+    if layout == "vllm_cpu":
+        # [num_blocks, heads, 2 * block_size, head_size]: block_size rows of K then of V.
+        if kv_cache.dim() != 4 or shape[2] % 2 != 0:
+            raise _bad(layout, kv_cache, "expected [num_blocks, heads, 2*block_size, head_size]")
+        x = kv_cache.permute(0, 2, 1, 3)
+        bs = shape[2] // 2
+        return x[:, :bs], x[:, bs:]
+    if layout == "flash_attn":
+        if kv_cache.dim() != 5 or shape[0] != 2:
+            raise _bad(layout, kv_cache, "expected [2, num_blocks, block_size, heads, head_size]")
+        return kv_cache[0], kv_cache[1]
+    if layout == "flashinfer":
+        if kv_cache.dim() != 5 or shape[1] != 2:
+            raise _bad(layout, kv_cache, "expected [num_blocks, 2, block_size, heads, head_size]")
+        return kv_cache[:, 0], kv_cache[:, 1]
+    # mla
+    if kv_cache.dim() != 3:
+        raise _bad(layout, kv_cache, "expected [num_blocks, block_size, C]")
+    return kv_cache, None
+
+
+def kv_geometry(kv_cache: torch.Tensor, layout: str) -> KVGeometry:
+    k, _ = kv_views(kv_cache, layout)
+    if layout == "mla":
+        nb, bs, c = k.shape
+        return KVGeometry(nb, bs, 1, c, True)
+    nb, bs, h, hs = k.shape
+    return KVGeometry(nb, bs, h, hs, False)

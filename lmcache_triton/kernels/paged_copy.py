@@ -1,0 +1,237 @@
+"""Paged KV cache <-> chunk tensors, all layers in one Triton launch.
+
+Grid: (cdiv(T, BLOCK_T), num_layers * num_kv, cdiv(hidden, BLOCK_D)); each program copies a
+BLOCK_T x BLOCK_D tile (tokens x hidden columns) of one layer's K or V.
+
+Multi-layer addressing: the layers are separate tensors (views of one allocation in vLLM, separate
+allocations in older releases). The kernel gets layer 0's K view as its pointer and an int64 tensor
+of per-layer element offsets relative to it (``(data_ptr(l) - data_ptr(0)) // itemsize``). This
+is plain pointer arithmetic on real addresses, so it is valid on CUDA and also works in the CPU
+interpreter (which hands the kernel real host addresses), whereas int->pointer casts from a pointer
+table are not portable across the two. Caveat: with TRITON_INTERPRET=1 and *CUDA* tensors the
+interpreter copies only the argument storages to the host, so layers in other allocations would be
+read from the wrong place; that combination is unsupported (tests set TRITON_INTERPRET only
+without CUDA).
+
+Every address is int64: program ids and loaded slots are cast, strides and offsets multiply int64
+values, so caches of more than 2**31 elements work. Data is moved as the integer type of its width
+(uint8/int16/int32), so copies are bit-exact for fp16, bf16, fp32, fp8 and uint8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shape,
+                     prepare_layers, prepare_slots)
+from .reference import as_2ltd, gather_into_ref, scatter_from_ref
+
+
+@triton.jit
+def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+                    stride_b, stride_o, stride_h, stride_d,
+                    c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+                    NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_lkv = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2).to(tl.int64)
+    layer = pid_lkv // NUM_KV
+    kv = pid_lkv % NUM_KV
+
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    col = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+    head = col // HEAD_SIZE
+    dim = col % HEAD_SIZE
+    # Masks from tensor comparisons only (the 3.9 interpreter rejects tensor & scalar bool).
+    # slot >= 0 also excludes tokens past the end (loaded as -1).
+    mask = (slot >= 0)[:, None] & (col < HIDDEN)[None, :]
+
+    # VEC (checked on the host) is a common divisor of base alignment, layer offsets, kv_off, strides
+    # and HEAD_SIZE: rows start VEC-aligned and columns run contiguously in groups of VEC, which lets
+    # the compiler emit 16-byte accesses although the layer offsets and slots are loaded values.
+    row = tl.load(layer_off_ptr + layer) + kv * kv_off + blk * stride_b + off * stride_o
+    row = tl.multiple_of(row, VEC)
+    col_off = tl.max_contiguous(tl.multiple_of(head * stride_h + dim * stride_d, VEC), VEC)
+    cache_addr = cache_ptr + row[:, None] + col_off[None, :]
+    chunk_addr = (chunk_ptr + kv * c_stride_kv + layer * c_stride_l
+                  + (tok * c_stride_t)[:, None] + (col * c_stride_c)[None, :])
+    return cache_addr, chunk_addr, mask
+
+
+@triton.jit
+def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+                         stride_b, stride_o, stride_h, stride_d,
+                         c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                         BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+                         NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+                                     stride_b, stride_o, stride_h, stride_d,
+                                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                                     BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+@triton.jit
+def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+                          stride_b, stride_o, stride_h, stride_d,
+                          c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                          BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+                          NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+                                     stride_b, stride_o, stride_h, stride_d,
+                                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                                     BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+# Decided once, when the kernels are decorated: triton.jit reads TRITON_INTERPRET at that moment.
+_INTERPRETED = not isinstance(_paged_gather_kernel, triton.runtime.JITFunction)
+_TILE_ELEMS = 4096
+
+
+def _use_triton(device: torch.device) -> bool:
+    """CUDA tensors -> Triton; CPU tensors -> torch reference, unless the interpreter is on."""
+    return device.type == "cuda" or (_INTERPRETED and device.type == "cpu")
+
+
+def _tile(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps), keyed on the constexpr hidden size only (never on T)."""
+    pow2_divisor = hidden & -hidden
+    if pow2_divisor >= 64:          # e.g. 576 -> 64, 4096 -> 1024: no masked-off columns
+        block_d = min(pow2_divisor, 1024)
+    else:                           # odd sizes (120, 72): one padded tile up to 1024 columns
+        block_d = min(triton.next_power_of_2(hidden), 1024)
+    return max(1, _TILE_ELEMS // block_d), block_d, 4
+
+
+def _vec(layers: Layers, kv_off: int) -> int:
+    """Elements per 16-byte access on the cache side if every offset allows it, else 1."""
+    k0 = layers.k[0]
+    vec = 16 // k0.element_size()
+    stride_b, stride_o, stride_h, stride_d = k0.stride()
+    base = k0.data_ptr()
+    ok = (stride_d == 1 and base % 16 == 0 and layers.geometry.head_size % vec == 0
+          and all(x % vec == 0 for x in (kv_off, stride_b, stride_o, stride_h))
+          and all((k.data_ptr() - base) % 16 == 0 for k in layers.k))
+    return vec if ok else 1
+
+
+_offsets_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _layer_offsets(layers: Layers) -> torch.Tensor:
+    size = layers.k[0].element_size()
+    base = layers.k[0].data_ptr()
+    offs = []
+    for i, k in enumerate(layers.k):
+        diff = k.data_ptr() - base
+        if diff % size:
+            raise ValueError(f"kv_caches[{i}] is not element-aligned relative to kv_caches[0]")
+        offs.append(diff // size)
+    key = (layers.device, tuple(offs))
+    t = _offsets_cache.get(key)
+    if t is None:
+        if len(_offsets_cache) > 256:
+            _offsets_cache.clear()
+        t = _offsets_cache[key] = torch.tensor(offs, dtype=torch.int64, device=layers.device)
+    return t
+
+
+def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> None:
+    if t.device == layers.device:
+        return
+    if layers.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
+        return  # the kernel reads/writes pinned host memory directly via UVA
+    raise ValueError(f"{name} is on {t.device}, the cache on {layers.device}: {name} must be on the "
+                     f"cache device or (for a CUDA cache) in pinned host memory")
+
+
+def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
+    num_tokens = slots.numel()
+    if num_tokens == 0:
+        return
+    g = layers.geometry
+    k0 = layers.k[0]
+    kv_off = 0
+    if layers.v is not None:
+        kv_off = (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
+    layer_offsets = _layer_offsets(layers)
+    block_t, block_d, num_warps = _tile(g.hidden)
+    grid = (triton.cdiv(num_tokens, block_t), layers.num_layers * layers.num_kv, triton.cdiv(g.hidden, block_d))
+    kernel[grid](
+        as_bits(k0), layer_offsets, slots, as_bits(chunk4), num_tokens, kv_off,
+        *k0.stride(), *chunk4.stride(),
+        BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
+        VEC=_vec(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+    )
+
+
+def _gather(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:
+    if _use_triton(layers.device):
+        _check_chunk_device(out4, "out", layers)
+        _launch(_paged_gather_kernel, layers, slots, out4)
+    else:
+        gather_into_ref(layers, slots, out4)
+
+
+def _scatter(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
+    if _use_triton(layers.device):
+        _check_chunk_device(chunk4, "chunk", layers)
+        _launch(_paged_scatter_kernel, layers, slots, chunk4)
+    else:
+        scatter_from_ref(layers, slots, chunk4)
+
+
+def paged_gather(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: str,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged cache (all layers) -> KV_2LTD chunk [2, L, T, hidden] (MLA: [1, L, T, C]).
+
+    Rows of padding slots (-1) are left untouched in ``out`` (zeros when ``out`` is None).
+    """
+    layers = prepare_layers(kv_caches, layout)
+    slots = prepare_slots(slot_mapping, layers.device)
+    shape = chunk_shape(layers, slots.numel())
+    if out is None:
+        out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
+    check_chunk(out, "out", shape, layers.dtype)
+    _gather(layers, slots, out)
+    return out
+
+
+def paged_scatter(chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                  layout: str) -> None:
+    """KV_2LTD chunk [2, L, T, hidden] (MLA: [1, L, T, C]) -> paged cache, skipping slot -1."""
+    layers = prepare_layers(kv_caches, layout)
+    slots = prepare_slots(slot_mapping, layers.device)
+    check_chunk(chunk, "chunk", chunk_shape(layers, slots.numel()), layers.dtype)
+    _scatter(layers, slots, chunk)
+
+
+def paged_gather_layer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer -> KV_T2D [T, 2, hidden] (MLA: [T, C])."""
+    layers = prepare_layers([kv_cache], layout, name="kv_cache")
+    slots = prepare_slots(slot_mapping, layers.device)
+    shape = layer_chunk_shape(layers, slots.numel())
+    if out is None:
+        out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
+    check_chunk(out, "out", shape, layers.dtype)
+    _gather(layers, slots, as_2ltd(out, True, layers.geometry.use_mla))
+    return out
+
+
+def paged_scatter_layer(chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        layout: str) -> None:
+    """KV_T2D [T, 2, hidden] (MLA: [T, C]) -> one layer of the paged cache, skipping slot -1."""
+    layers = prepare_layers([kv_cache], layout, name="kv_cache")
+    slots = prepare_slots(slot_mapping, layers.device)
+    check_chunk(chunk, "chunk", layer_chunk_shape(layers, slots.numel()), layers.dtype)
+    _scatter(layers, slots, as_2ltd(chunk, True, layers.geometry.use_mla))

@@ -1,0 +1,147 @@
+"""Chunk tensors (MemoryObj), their formats, and the bounded pool the CPU tier allocates from."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from enum import Enum
+from math import prod
+
+import torch
+
+
+class MemoryFormat(str, Enum):
+    """Layouts of a chunk tensor, as storage sees it (DESIGN.md)."""
+
+    KV_2LTD = "KV_2LTD"  # [2, num_layers, num_tokens, num_kv_heads * head_size]: all layers of one chunk
+    KV_T2D = "KV_T2D"    # [num_tokens, 2, hidden]: one layer of one chunk (layerwise mode)
+    KV_MLA = "KV_MLA"    # [1, num_layers, num_tokens, C], or [num_tokens, C] for one layer
+
+    def token_dim(self, ndim: int) -> int:
+        """Which axis counts tokens for a tensor of this format with `ndim` axes."""
+        if self is MemoryFormat.KV_T2D or ndim == 2:
+            return 0
+        return 2
+
+
+class MemoryObj:
+    """A chunk tensor carved out of a pool, with a pin count that blocks eviction while it is read."""
+
+    __slots__ = ("tensor", "fmt", "_pool", "_offset", "_nbytes", "_pins", "_lock")
+
+    def __init__(self, tensor: torch.Tensor, fmt: MemoryFormat, pool: TensorMemoryPool | None = None,
+                 offset: int = 0, nbytes: int | None = None) -> None:
+        self.tensor = tensor
+        self.fmt = MemoryFormat(fmt)
+        self._pool = pool
+        self._offset = offset
+        self._nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+        self._pins = 0
+        self._lock = threading.Lock()
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tensor.shape[self.fmt.token_dim(self.tensor.dim())]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this object holds in its pool (its tensor, rounded up to the pool's alignment)."""
+        return self._nbytes
+
+    def pin(self) -> None:
+        with self._lock:
+            self._pins += 1
+
+    def unpin(self) -> None:
+        with self._lock:
+            if self._pins <= 0:
+                raise RuntimeError("unpin() of a MemoryObj that is not pinned")
+            self._pins -= 1
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._pins > 0
+
+    def free(self) -> None:
+        """Returns the bytes to the pool; the tensor must not be used afterwards."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool._release(self._offset, self._nbytes)
+
+    def __repr__(self) -> str:
+        return f"MemoryObj(fmt={self.fmt.value}, shape={tuple(self.shape)}, dtype={self.dtype}, pins={self._pins})"
+
+
+class TensorMemoryPool:
+    """First-fit allocator over one preallocated byte buffer.
+
+    One allocation at start (pinned where CUDA exists, so GPU<->host copies are DMA) instead of a
+    malloc per chunk: the tier's memory is bounded by construction and never fragments the heap.
+    Freed ranges coalesce with their neighbours.
+    """
+
+    def __init__(self, size_bytes: int, *, pin_memory: bool | None = None, alignment: int = 512) -> None:
+        if size_bytes <= 0:
+            raise ValueError(f"pool size_bytes must be positive, got {size_bytes}")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.alignment = alignment
+        self.capacity = size_bytes - size_bytes % alignment
+        # torch.empty does not touch the pages on CPU: a 5 GB tier costs memory only as it fills.
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin_memory)
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self._used
+
+    def aligned_size(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> int:
+        n = prod(shape) * dtype.itemsize
+        return -(-n // self.alignment) * self.alignment
+
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
+        """A MemoryObj of that shape, or None when no free range is large enough."""
+        size = self.aligned_size(shape, dtype)
+        if size == 0:
+            raise ValueError(f"cannot allocate an empty chunk of shape {tuple(shape)}")
+        with self._lock:
+            for i, (off, free_size) in enumerate(self._free):
+                if free_size >= size:
+                    if free_size == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, free_size - size)
+                    self._used += size
+                    break
+            else:
+                return None
+        nbytes = prod(shape) * dtype.itemsize
+        tensor = self.buffer[off:off + nbytes].view(dtype).view(tuple(shape))
+        return MemoryObj(tensor, fmt, self, off, size)
+
+    def _release(self, offset: int, size: int) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self._free, (offset, 0))
+            self._free.insert(i, (offset, size))
+            # merge with the right neighbour, then the left one
+            if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+                self._free[i] = (offset, size + self._free[i + 1][1])
+                del self._free[i + 1]
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+                del self._free[i]
+            self._used -= size

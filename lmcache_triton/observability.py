@@ -1,0 +1,80 @@
+"""LMCStatsMonitor: the engine's counters and timings, read by tests, the bench and Prometheus."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class LMCacheStats:
+    lookup_requests: int
+    lookup_tokens: int
+    lookup_hit_tokens: int
+    retrieve_requests: int
+    requested_tokens: int
+    hit_tokens: int
+    store_requests: int
+    stored_tokens: int
+    stored_bytes: int
+    retrieved_bytes: int
+    store_time_s: float
+    retrieve_time_s: float
+    store_refusals: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the tokens asked of `retrieve` that were loaded from the cache."""
+        return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
+
+    @property
+    def lookup_hit_rate(self) -> float:
+        return self.lookup_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    @property
+    def store_gbps(self) -> float:
+        return self.stored_bytes / self.store_time_s / 1e9 if self.store_time_s else 0.0
+
+    @property
+    def retrieve_gbps(self) -> float:
+        return self.retrieved_bytes / self.retrieve_time_s / 1e9 if self.retrieve_time_s else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        d: dict[str, float] = asdict(self)
+        d.update(hit_rate=self.hit_rate, lookup_hit_rate=self.lookup_hit_rate,
+                 store_gbps=self.store_gbps, retrieve_gbps=self.retrieve_gbps)
+        return d
+
+
+class LMCStatsMonitor:
+    """Thread-safe accumulators; `get_stats()` returns an immutable snapshot."""
+
+    _FIELDS = tuple(LMCacheStats.__dataclass_fields__)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._values: dict[str, float] = {f: 0 for f in self._FIELDS}
+
+    def _add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._values[k] += v
+
+    def on_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        self._add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit_tokens)
+
+    def on_retrieve(self, requested_tokens: int, hit_tokens: int, nbytes: int, seconds: float) -> None:
+        self._add(retrieve_requests=1, requested_tokens=requested_tokens, hit_tokens=hit_tokens,
+                  retrieved_bytes=nbytes, retrieve_time_s=seconds)
+
+    def on_store(self, stored_tokens: int, nbytes: int, seconds: float, refusals: int = 0) -> None:
+        self._add(store_requests=1, stored_tokens=stored_tokens, stored_bytes=nbytes,
+                  store_time_s=seconds, store_refusals=refusals)
+
+    def get_stats(self) -> LMCacheStats:
+        with self._lock:
+            return LMCacheStats(**self._values)

@@ -1,0 +1,143 @@
+"""The CPU tier: chunks in a bounded pinned pool, evicted least-recently-used first."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from lmcache_triton.memory import MemoryFormat, MemoryObj, TensorMemoryPool
+from lmcache_triton.token_database import CacheEngineKey
+
+logger = logging.getLogger("lmcache_triton")
+
+
+class LocalCPUBackend:
+    """LRU map key -> MemoryObj over a TensorMemoryPool of `size_bytes`.
+
+    A pinned object (being read, or reported by a lookup that a load will follow) is never evicted.
+    When every object is pinned and the pool is full, `allocate` refuses (returns None): the caller
+    skips storing that chunk, which costs a future miss, never an OOM.
+    """
+
+    name = "LocalCPUBackend"
+
+    def __init__(self, size_bytes: int, *, pin_memory: bool | None = None,
+                 on_evict: Callable[[CacheEngineKey, MemoryObj], None] | None = None) -> None:
+        self.pool = TensorMemoryPool(size_bytes, pin_memory=pin_memory)
+        self._objs: OrderedDict[CacheEngineKey, MemoryObj] = OrderedDict()
+        self._lock = threading.RLock()
+        self._on_evict = on_evict
+        self.num_evictions = 0
+        self.num_refusals = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        with self._lock:
+            obj = self._objs.get(key)
+            if obj is None:
+                return False
+            if pin:
+                obj.pin()
+            return True
+
+    def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The object, pinned for the caller (who must `unpin()` it), and marked recently used."""
+        with self._lock:
+            obj = self._objs.get(key)
+            if obj is None:
+                return None
+            self._objs.move_to_end(key)
+            obj.pin()
+            return obj
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        """Releases one pin taken by `get` or `contains(pin=True)`; False if none was held."""
+        with self._lock:
+            obj = self._objs.get(key)
+            if obj is None or not obj.is_pinned:
+                return False
+            obj.unpin()
+            return True
+
+    def keys(self) -> list[CacheEngineKey]:
+        with self._lock:
+            return list(self._objs)
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.pool.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def num_pinned(self) -> int:
+        with self._lock:
+            return sum(obj.is_pinned for obj in self._objs.values())
+
+    # ---- writes --------------------------------------------------------------------------------
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
+        """Room for a new chunk, evicting unpinned LRU objects as needed; None if none can be made."""
+        with self._lock:
+            if self.pool.aligned_size(shape, dtype) > self.pool.capacity:
+                self.num_refusals += 1
+                return None
+            while (obj := self.pool.allocate(shape, dtype, fmt)) is None:
+                if not self._evict_one():
+                    self.num_refusals += 1
+                    logger.debug("CPU tier full and every chunk pinned: refusing %s bytes", shape)
+                    return None
+            return obj
+
+    def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        """Takes ownership of `obj`. A key already present keeps its object; the new one is freed."""
+        with self._lock:
+            if key in self._objs:
+                self._objs.move_to_end(key)
+                obj.free()
+                return False
+            self._objs[key] = obj
+            return True
+
+    def remove(self, key: CacheEngineKey, *, force: bool = False) -> bool:
+        """Drops a key; a pinned object stays unless `force`."""
+        with self._lock:
+            obj = self._objs.get(key)
+            if obj is None or (obj.is_pinned and not force):
+                return False
+            del self._objs[key]
+            obj.free()
+            return True
+
+    def clear(self) -> int:
+        """Drops every unpinned object; returns how many were dropped."""
+        with self._lock:
+            dropped = [k for k, o in self._objs.items() if not o.is_pinned]
+            for k in dropped:
+                self._objs.pop(k).free()
+            return len(dropped)
+
+    def _evict_one(self) -> bool:
+        for key, obj in self._objs.items():  # oldest first
+            if not obj.is_pinned:
+                del self._objs[key]
+                obj.free()
+                self.num_evictions += 1
+                if self._on_evict is not None:
+                    self._on_evict(key, obj)
+                return True
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            for obj in self._objs.values():
+                obj.free()
+            self._objs.clear()

@@ -1,0 +1,74 @@
+"""Paged KV caches in vLLM's layouts, filled with random bytes: for the tests, the bench and the demo.
+
+Imports only torch, so the GPU test matrix and the bench run where only torch and triton exist.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# vLLM's stride permutations of the packed layout (vllm/v1/kv_cache_layout.py): the physical order
+# of (L)ayer, (B)lock, toke(N) in block, (H)ead, (C)hannel in the one allocation holding all layers.
+PACKED_ORDERS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "LHBNC", "BHLNC")
+
+
+def fill_random_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random bytes for any dtype (fp8 and integer caches included), finite for floating types."""
+    if t.dtype.is_floating_point and t.element_size() > 1:
+        return t.copy_(torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.dtype))
+    raw = torch.randint(0, 256, t.shape, generator=generator, dtype=torch.uint8)
+    if t.dtype == torch.uint8:
+        return t.copy_(raw)
+    if t.element_size() == 1:  # float8: keep away from NaN encodings (0x7f/0xff in e4m3fn)
+        return t.view(torch.uint8).copy_(raw & 0x7E)
+    return t.copy_(raw.to(t.dtype))
+
+
+def make_kv_caches(layout: str, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_size: int, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                   order: str = "LBNHC", fill: float | None = None,
+                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Per-layer tensors shaped exactly as vLLM hands them to `register_kv_caches`.
+
+    `order` applies to "vllm_packed": the physical axis order of the single allocation. MLA takes
+    `num_kv_heads=1` and `head_size=C`. `fill` sets every element (a sentinel); None fills random.
+    """
+    nb, bs, h, hs = num_blocks, block_size, num_kv_heads, head_size
+    if layout == "vllm_packed":
+        if sorted(order) != sorted("LBNHC"):
+            raise ValueError(f"order must be a permutation of LBNHC, got {order!r}")
+        sizes = {"L": num_layers, "B": nb, "N": bs, "H": h, "C": 2 * hs}
+        base = torch.empty([sizes[a] for a in order], dtype=dtype, device=device)
+        # logical per layer: [B, H, N, C]
+        logical = base.permute([order.index(a) for a in "LBHNC"])
+        caches = [logical[i] for i in range(num_layers)]
+    else:
+        shapes = {
+            "vllm_cpu": (nb, h, 2 * bs, hs),
+            "flash_attn": (2, nb, bs, h, hs),
+            "flashinfer": (nb, 2, bs, h, hs),
+            "mla": (nb, bs, hs),
+        }
+        if layout not in shapes:
+            raise ValueError(f"unknown layout {layout!r}")
+        if layout == "mla" and h != 1:
+            raise ValueError("mla caches have one head: pass num_kv_heads=1 and head_size=C")
+        base = torch.empty((num_layers, *shapes[layout]), dtype=dtype, device=device)
+        caches = [base[i] for i in range(num_layers)]
+    if fill is None:
+        fill_random_(base, generator)
+    else:
+        base.view(torch.uint8).fill_(int(fill)) if dtype.itemsize == 1 and not dtype.is_floating_point else base.fill_(fill)
+    return caches
+
+
+def random_slot_mapping(num_tokens: int, *, num_blocks: int, block_size: int, device: str | torch.device = "cpu",
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """Slots of `num_tokens` tokens as vLLM assigns them: whole blocks picked at random, in order
+    within each block (slot = block_id * block_size + offset)."""
+    blocks_needed = -(-num_tokens // block_size)
+    if blocks_needed > num_blocks:
+        raise ValueError(f"{num_tokens} tokens need {blocks_needed} blocks of {block_size}, only {num_blocks} exist")
+    blocks = torch.randperm(num_blocks, generator=generator)[:blocks_needed]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)[:num_tokens]
+    return slots.to(device=device, dtype=torch.int64)

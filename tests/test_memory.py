@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
+from lmcache_triton.storage.local_cpu import LocalCPUBackend
+from lmcache_triton.token_database import CacheEngineKey
+
+F = MemoryFormat.KV_2LTD
+
+
+def _key(i: int) -> CacheEngineKey:
+    return CacheEngineKey("m", 1, 0, "bfloat16", "KV_2LTD", f"{i:032x}")
+
+
+def test_pool_is_bounded_and_coalesces():
+    pool = TensorMemoryPool(4096, pin_memory=False, alignment=512)
+    objs = [pool.allocate((512,), torch.uint8, F) for _ in range(8)]
+    assert all(o is not None for o in objs) and pool.free_bytes == 0
+    assert pool.allocate((1,), torch.uint8, F) is None
+    for o in objs[2:5]:  # free a run of three neighbours in the middle
+        o.free()
+    big = pool.allocate((3 * 512,), torch.uint8, F)
+    assert big is not None, "freed neighbours must coalesce into one range"
+    assert big.tensor.data_ptr() == objs[2].tensor.data_ptr()
+
+
+def test_pool_views_have_the_requested_shape_and_do_not_overlap():
+    pool = TensorMemoryPool(1 << 16, pin_memory=False)
+    a = pool.allocate((2, 3, 5, 7), torch.bfloat16, F)
+    b = pool.allocate((2, 3, 5, 7), torch.bfloat16, F)
+    assert a.shape == (2, 3, 5, 7) and a.dtype == torch.bfloat16 and a.num_tokens == 5
+    a.tensor.fill_(1)
+    b.tensor.fill_(2)
+    assert torch.all(a.tensor == 1) and torch.all(b.tensor == 2)
+
+
+def _backend(n_objs: int) -> LocalCPUBackend:
+    return LocalCPUBackend(n_objs * 1024, pin_memory=False)
+
+
+def _put(backend: LocalCPUBackend, i: int) -> bool:
+    obj = backend.allocate((1024,), torch.uint8, F)
+    if obj is None:
+        return False
+    obj.tensor.fill_(i % 256)
+    backend.put(_key(i), obj)
+    return True
+
+
+def test_lru_evicts_the_oldest_unpinned_chunk():
+    be = _backend(3)
+    for i in range(3):
+        _put(be, i)
+    obj = be.get(_key(0))  # touch 0: now 1 is the oldest
+    obj.unpin()
+    _put(be, 3)
+    assert [be.contains(_key(i)) for i in range(4)] == [True, False, True, True]
+    assert be.num_evictions == 1
+
+
+def test_pinned_chunk_is_never_evicted_and_full_pinned_tier_refuses():
+    be = _backend(2)
+    _put(be, 0)
+    _put(be, 1)
+    assert be.contains(_key(0), pin=True)  # oldest, but pinned by a lookup
+    _put(be, 2)
+    assert be.contains(_key(0)) and not be.contains(_key(1)) and be.contains(_key(2))
+    held = be.get(_key(2))  # now everything is pinned
+    assert not _put(be, 3), "a tier full of pinned chunks refuses instead of evicting them"
+    assert be.num_refusals == 1 and be.contains(_key(0)) and be.contains(_key(2))
+    assert torch.all(held.tensor == 2)
+    held.unpin()
+    assert _put(be, 3) and not be.contains(_key(2))
+
+
+def test_remove_clear_and_duplicate_put():
+    be = _backend(4)
+    _put(be, 0)
+    _put(be, 1)
+    dup = be.allocate((1024,), torch.uint8, F)
+    dup.tensor.fill_(99)
+    assert not be.put(_key(0), dup)
+    got = be.get(_key(0))
+    assert torch.all(got.tensor == 0), "the first stored object wins"
+    assert not be.remove(_key(0)), "pinned objects are not removed"
+    got.unpin()
+    assert be.remove(_key(0)) and not be.contains(_key(0))
+    assert be.clear() == 1 and len(be) == 0 and be.used_bytes == 0
+
+
+def test_oversized_chunk_is_refused():
+    be = _backend(1)
+    assert be.allocate((4096,), torch.uint8, F) is None and be.num_refusals == 1
+
+
+def test_unpin_without_pin_is_an_error():
+    pool = TensorMemoryPool(1024, pin_memory=False)
+    with pytest.raises(RuntimeError, match="not pinned"):
+        pool.allocate((8,), torch.uint8, F).unpin()
