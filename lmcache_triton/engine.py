@@ -62,7 +62,7 @@ class LMCacheEngine:
         self.token_database = ChunkedTokenDatabase(
             config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt
         )
-        self.storage_manager = storage_manager or StorageManager(config)
+        self.storage_manager = storage_manager or StorageManager(config, metadata)
         self.stats_monitor = LMCStatsMonitor()
         self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
         self._pins_lock = threading.Lock()
@@ -98,8 +98,10 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         stored: list[tuple[CacheEngineKey, MemoryObj]] = []
         num_tokens = refusals = 0
-        for start, end, key in self._chunks(tokens, mask, kwargs):
-            if self.storage_manager.contains(key):
+        chunks = list(self._chunks(tokens, mask, kwargs))
+        present = self.storage_manager.contains_each([key for _, _, key in chunks])
+        for (start, end, key), already in zip(chunks, present):
+            if already:
                 continue
             obj = self.storage_manager.allocate(self.gpu_connector.get_shape(end - start),
                                                 self.metadata.kv_dtype, self.gpu_connector.fmt)
@@ -127,19 +129,19 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
         requested = len(tokens) - (0 if mask is None else int((~mask.bool()).sum()))
-        used: list[CacheEngineKey] = []
+        used: list[tuple[CacheEngineKey, MemoryObj]] = []
         try:
             for start, end, key in self._chunks(tokens, mask, kwargs):
                 obj = self.storage_manager.get(key)
                 if obj is None:
                     break
-                used.append(key)
+                used.append((key, obj))
                 self.gpu_connector.to_gpu(obj, start, end, **kwargs)
                 ret_mask[start:end] = True
             _sync(kwargs.get("kvcaches"))
         finally:
-            for key in used:
-                self.storage_manager.unpin(key)
+            for key, obj in used:
+                self.storage_manager.release(key, obj)
         hit = int(ret_mask.sum())
         self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
                                        time.perf_counter() - t0)
@@ -189,7 +191,7 @@ class LMCacheEngine:
         refusals = 0
         for start, end, key in self._chunks(tokens, mask, kwargs):
             layer_keys = self._object_keys(key)
-            if self.storage_manager.batched_contains(layer_keys) == num_layers:
+            if all(self.storage_manager.contains_each(layer_keys)):
                 continue
             objs = []
             for _ in range(num_layers):
@@ -245,8 +247,8 @@ class LMCacheEngine:
                     break
                 objs.append(obj)
             if len(objs) < num_layers:
-                for k in layer_keys[:len(objs)]:
-                    self.storage_manager.unpin(k)
+                for k, obj in zip(layer_keys, objs):
+                    self.storage_manager.release(k, obj)
                 break
             starts.append(start)
             ends.append(end)
@@ -260,14 +262,14 @@ class LMCacheEngine:
             for layer in range(num_layers):
                 next(mover)
                 _sync(kwargs.get("kvcaches"))
-                for k in keys:
-                    self.storage_manager.unpin(k.with_layer(layer))
+                for k, obj in zip(keys, by_layer[layer]):
+                    self.storage_manager.release(k.with_layer(layer), obj)
                 done = layer + 1
                 yield None
         finally:  # a generator closed early, or failing, still releases its pins
             for layer in range(done, num_layers):
-                for k in keys:
-                    self.storage_manager.unpin(k.with_layer(layer))
+                for k, obj in zip(keys, by_layer[layer]):
+                    self.storage_manager.release(k.with_layer(layer), obj)
         hit = int(ret_mask.sum())
         self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
                                        time.perf_counter() - t0)

@@ -31,9 +31,10 @@ def _bad(layout: str, kv_cache: torch.Tensor, why: str) -> ValueError:
     return ValueError(f"kv_cache of shape {tuple(kv_cache.shape)} cannot be layout {layout!r}: {why}")
 
 
-def check_layout(layout: str) -> None:
+def check_layout(layout: str, shape: tuple[int, ...] | None = None) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        of = "" if shape is None else f" (kv_cache shape {tuple(shape)})"
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}{of}")
 
 
 def kv_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -42,9 +43,9 @@ def kv_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
     For ``"mla"`` returns ``(kv_cache, None)`` with shape [num_blocks, block_size, C].
     The views share storage with ``kv_cache`` (no copies).
     """
-    check_layout(layout)
     if not isinstance(kv_cache, torch.Tensor):
         raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    check_layout(layout, kv_cache.shape)
     shape = kv_cache.shape
     if layout == "vllm_packed":
         # [num_blocks, heads, block_size, 2 * head_size], any physical axis order.

@@ -20,6 +20,7 @@ values, so caches of more than 2**31 elements work. Data is moved as the integer
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -66,7 +67,8 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, k
     return cache_addr, chunk_addr, mask
 
 
-@triton.jit
+# num_tokens changes every call: no value specialization (T == 1, T % 16 == 0), so no recompiles.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
                          stride_b, stride_o, stride_h, stride_d,
                          c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
@@ -79,7 +81,7 @@ def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_toke
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
                           stride_b, stride_o, stride_h, stride_d,
                           c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
@@ -158,20 +160,19 @@ def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -
     num_tokens = slots.numel()
     if num_tokens == 0:
         return
-    g = layers.geometry
-    k0 = layers.k[0]
-    kv_off = 0
-    if layers.v is not None:
-        kv_off = (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
-    layer_offsets = _layer_offsets(layers)
+    g, k0 = layers.geometry, layers.k[0]
+    kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
     block_t, block_d, num_warps = _tile(g.hidden)
     grid = (triton.cdiv(num_tokens, block_t), layers.num_layers * layers.num_kv, triton.cdiv(g.hidden, block_d))
-    kernel[grid](
-        as_bits(k0), layer_offsets, slots, as_bits(chunk4), num_tokens, kv_off,
-        *k0.stride(), *chunk4.stride(),
-        BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
-        VEC=_vec(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    # Triton launches on the current device: make it the cache's (multi-GPU hosts).
+    on_device = torch.cuda.device(layers.device) if layers.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        kernel[grid](
+            as_bits(k0), _layer_offsets(layers), slots, as_bits(chunk4), num_tokens, kv_off,
+            *k0.stride(), *chunk4.stride(),
+            BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
+            VEC=_vec(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+        )
 
 
 def _gather(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:

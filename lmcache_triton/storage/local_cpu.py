@@ -63,6 +63,11 @@ class LocalCPUBackend:
             obj.unpin()
             return True
 
+    def holds(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        """Whether `obj` is the object this tier keeps under `key`."""
+        with self._lock:
+            return self._objs.get(key) is obj
+
     def keys(self) -> list[CacheEngineKey]:
         with self._lock:
             return list(self._objs)

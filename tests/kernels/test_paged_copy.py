@@ -277,6 +277,28 @@ def test_strided_chunks(device):
                        out=sentinel_tensor(layer_out.shape, torch.bfloat16, device))))
 
 
+@pytest.mark.parametrize("case,dtype,expected", [
+    pytest.param(Case("vllm_packed", "LBNHC", heads=2, head_size=32), torch.float16, 8, id="packed-fp16"),
+    pytest.param(Case("vllm_packed", "BHLNC", heads=3, head_size=40), torch.bfloat16, 8, id="packed-h40"),
+    pytest.param(Case("vllm_cpu", heads=2, head_size=36), torch.float16, 1, id="cpu-h36-unaligned"),
+    pytest.param(Case("flash_attn", heads=2, head_size=36), torch.float32, 4, id="fa-fp32-h36"),
+    pytest.param(Case("mla", heads=1, head_size=72), torch.uint8, 1, id="mla72-u8-unaligned"),
+    pytest.param(Case("mla", heads=1, head_size=576), torch.float8_e4m3fn, 16, id="mla576-fp8"),
+])
+def test_vector_width_hint(case, dtype, expected):
+    """VEC is an alignment promise to the GPU compiler: it must be 1 whenever any offset breaks it."""
+    from lmcache_triton.kernels.common import prepare_layers
+    caches = case.caches(dtype, "cpu", lambda s: torch.zeros(s, dtype=dtype))
+    layers = prepare_layers(caches, case.layout)
+    kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - layers.k[0].data_ptr()) // layers.k[0].element_size()
+    assert paged_copy._vec(layers, kv_off) == expected
+    # a layer view starting one element off a 16-byte boundary never gets the hint
+    flat = torch.zeros(sum(c.numel() for c in caches) + 1, dtype=dtype)[1:]
+    shifted = flat[:caches[0].numel()].view(caches[0].shape) if caches[0].is_contiguous() else None
+    if shifted is not None:
+        assert paged_copy._vec(prepare_layers([shifted], case.layout), kv_off) == 1
+
+
 def test_reference_semantics():
     """The reference itself against a per-token loop over the documented formula."""
     case = Case("vllm_packed", "BLHNC", block_size=16, heads=3, head_size=8, num_tokens=20)
@@ -344,7 +366,7 @@ def test_bad_layout():
     x = torch.zeros(2, 2, 4, 8)
     with pytest.raises(ValueError, match="layout"):
         paged_gather([x], torch.zeros(1, dtype=torch.int64), "nope")
-    with pytest.raises(ValueError, match="layout"):
+    with pytest.raises(ValueError, match=r"layout.*'nope'.*\(2, 2, 4, 8\)"):
         kv_views(x, "nope")
 
 

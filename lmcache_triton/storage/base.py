@@ -1,0 +1,59 @@
+"""The interface every tier below the CPU one implements (local disk, remote stores).
+
+Backends are synchronous and thread-safe; the StorageManager runs their writes on its own thread
+pool and promotes their hits into the CPU tier. A backend turns every I/O or data problem into a
+failed put or a miss (and counts it): a broken disk or store must never crash or hang vLLM.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lmcache_triton.memory import MemoryFormat, MemoryObj
+from lmcache_triton.token_database import CacheEngineKey
+
+# Gives the backend room for a chunk it is about to read (e.g. the CPU pool's allocate);
+# None when there is no room, which the backend reports as a miss.
+AllocateFn = Callable[[tuple[int, ...], torch.dtype, MemoryFormat], MemoryObj | None]
+
+
+class StorageBackend(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def contains(self, key: CacheEngineKey) -> bool:
+        """Whether `key` is stored (a hint: a later get may still miss)."""
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    @abc.abstractmethod
+    def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        """Stores `obj.tensor` under `key`, synchronously; the caller keeps `obj` pinned meanwhile.
+
+        False on failure (logged once per kind, counted); never raises for I/O problems.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: CacheEngineKey, allocate: AllocateFn) -> MemoryObj | None:
+        """Reads the chunk into a MemoryObj obtained from `allocate`; the caller owns it.
+
+        Missing, corrupt, checksum/version/shape/dtype mismatch, I/O error: frees the object if one
+        was allocated, counts, and returns None (a miss).
+        """
+
+    @abc.abstractmethod
+    def remove(self, key: CacheEngineKey) -> bool:
+        """Deletes `key`; False if it was not stored."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the backend's resources; idempotent."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int | float]:
+        """At least: puts, put_failures, gets, hits, misses, corrupt, evictions, used_bytes,
+        capacity_bytes."""

@@ -1,0 +1,493 @@
+"""The standalone cache server behind `lm://host:port`: an LRU map of opaque values over ZMQ.
+
+    python -m lmcache_triton.storage.cache_server --host 127.0.0.1 --port 65432 \
+        [--max-size-gb N] [--max-value-mb M] [--disk DIR] [--auth-token T]
+
+One ROUTER socket and one thread. The loop never waits on a client: requests arrive whole (ZMQ's
+I/O thread assembles them; ZMQ_MAXMSGSIZE disconnects a peer that sends an oversized frame, RCVHWM
+bounds what queues), every reply is sent with NOBLOCK on a ROUTER_MANDATORY socket with a bounded
+SNDHWM, and a client whose queue is full (it stopped reading) loses that reply, which is counted
+(`dropped_replies`) and which its own timeout turns into a miss. So a slow or hostile client costs
+the others nothing but its share of the loop. The wire format is in `wire.py` and docs/wire-format.md.
+
+Eviction is least-recently-used (GET and PUT refresh an entry) and the sum of key and value bytes
+never exceeds the capacity. With --disk, every PUT is written through (temp file + atomic rename,
+so a crash leaves whole files or none) and the index is reloaded at start, oldest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import struct
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import zmq
+
+from lmcache_triton.storage import wire
+from lmcache_triton.storage.wire import Command, Limits, Status
+
+logger = logging.getLogger("lmcache_triton")
+
+AUTH_TOKEN_ENV = "LMCACHE_REMOTE_AUTH_TOKEN"
+DEFAULT_PORT = 65432
+LIST_DEFAULT = 1000
+_SNDHWM = 64  # replies queued per client before further replies to it are dropped
+_RCVHWM = 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_size_bytes: int = 4 << 30
+    limits: Limits = Limits()
+    disk_dir: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_size_bytes <= 0:
+            raise ValueError(f"cache server max size must be positive, got {self.max_size_bytes} bytes")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"cache server port must be in [0, 65535], got {self.port}")
+
+
+@dataclass
+class ServerStats:
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    exists_queries: int = 0
+    exists_keys: int = 0
+    deletes: int = 0
+    evictions: int = 0
+    rejected_too_large: int = 0
+    auth_failures: int = 0
+    bad_requests: int = 0
+    unknown_commands: int = 0
+    internal_errors: int = 0
+    dropped_replies: int = 0
+    disk_errors: int = 0
+
+
+# ---- persistence --------------------------------------------------------------------------------
+_FILE_MAGIC = b"LMCS"
+_FILE_HEAD = struct.Struct("<4sI")  # magic, key length; then key, then value
+
+
+class DiskMirror:
+    """One file per key, named by the key's sha256 (keys are arbitrary bytes, names must not be)."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / (hashlib.sha256(key).hexdigest() + ".kv")
+
+    def write(self, key: bytes, value: memoryview) -> None:
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(_FILE_HEAD.pack(_FILE_MAGIC, len(key)))
+            f.write(key)
+            f.write(value)
+        os.replace(tmp, path)  # readers (and a restart) see the old file or the new one, never half
+
+    def remove(self, key: bytes) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def touch(self, key: bytes) -> None:
+        # mtime is the LRU order a restart reloads in
+        try:
+            os.utime(self._path(key))
+        except OSError:
+            pass
+
+    def load(self) -> list[tuple[bytes, bytes]]:
+        """Every intact entry, least recently used first. Partial temp files are removed."""
+        entries: list[tuple[float, bytes, bytes]] = []
+        for path in self.dir.iterdir():
+            if path.suffix == ".tmp":
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != ".kv":
+                continue
+            try:
+                data = path.read_bytes()
+                magic, klen = _FILE_HEAD.unpack_from(data)
+                if magic != _FILE_MAGIC or _FILE_HEAD.size + klen > len(data):
+                    raise ValueError("bad header")
+                key = data[_FILE_HEAD.size:_FILE_HEAD.size + klen]
+                if self._path(key) != path:
+                    raise ValueError("file name does not match its key")
+                entries.append((path.stat().st_mtime, key, data[_FILE_HEAD.size + klen:]))
+            except (OSError, ValueError, struct.error) as e:
+                logger.warning("cache server: skipping unreadable persisted entry %s: %s", path, e)
+        entries.sort(key=lambda e: e[0])
+        return [(k, v) for _, k, v in entries]
+
+
+# ---- the store ----------------------------------------------------------------------------------
+class LRUStore:
+    """key -> value, least recently used first; `used_bytes` (keys + values) <= `capacity` always."""
+
+    def __init__(self, capacity: int, stats: ServerStats, disk: DiskMirror | None = None) -> None:
+        self.capacity = capacity
+        self.used_bytes = 0
+        self._data: OrderedDict[bytes, memoryview] = OrderedDict()
+        self._stats = stats
+        self._disk = disk
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._data
+
+    def put(self, key: bytes, value: memoryview, *, persist: bool = True) -> bool:
+        size = len(key) + value.nbytes
+        if size > self.capacity:
+            return False
+        self._drop(key)
+        while self.used_bytes + size > self.capacity:
+            self._evict_oldest()
+        if persist and self._disk is not None:
+            try:
+                self._disk.write(key, value)
+            except OSError as e:
+                # memory still takes it: the disk copy is for restarts, not for serving
+                self._stats.disk_errors += 1
+                logger.warning("cache server: write-through to disk failed: %s", e)
+        self._data[key] = value
+        self.used_bytes += size
+        return True
+
+    def get(self, key: bytes) -> memoryview | None:
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+            if self._disk is not None:
+                self._disk.touch(key)
+        return value
+
+    def delete(self, key: bytes) -> bool:
+        return self._drop(key)
+
+    def keys(self, limit: int) -> tuple[list[bytes], bool]:
+        """Up to `limit` keys, most recently used first, and whether there were more."""
+        out: list[bytes] = []
+        for k in reversed(self._data):
+            if len(out) == limit:
+                return out, True
+            out.append(k)
+        return out, False
+
+    def _drop(self, key: bytes) -> bool:
+        value = self._data.pop(key, None)
+        if value is None:
+            return False
+        self.used_bytes -= len(key) + value.nbytes
+        if self._disk is not None:
+            self._disk.remove(key)
+        return True
+
+    def _evict_oldest(self) -> None:
+        key, value = self._data.popitem(last=False)
+        self.used_bytes -= len(key) + value.nbytes
+        if self._disk is not None:
+            self._disk.remove(key)
+        self._stats.evictions += 1
+
+
+# ---- the server ---------------------------------------------------------------------------------
+class CacheServer:
+    def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.stats = ServerStats()
+        self._auth = wire.auth_digest(config.auth_token) if config.auth_token else None
+        self._disk = DiskMirror(config.disk_dir) if config.disk_dir else None
+        self.store = LRUStore(config.max_size_bytes, self.stats, self._disk)
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._stop = False
+        self._started = time.monotonic()
+        self.endpoint = ""
+
+    # -- lifecycle --
+    def bind(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        # Unroutable or full peers raise instead of silently blocking/dropping: we count and move on.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        host = self.config.host
+        if self.config.port == 0:
+            port = sock.bind_to_random_port(f"tcp://{_zmq_host(host)}")
+        else:
+            sock.bind(f"tcp://{_zmq_host(host)}:{self.config.port}")
+            port = self.config.port
+        self._sock = sock
+        self.endpoint = f"{host}:{port}"
+        reloaded = self._reload()
+        logger.info(
+            "lmcache-triton cache server on tcp://%s (capacity %.3g GB, max value %.3g MB, disk %s, auth %s, "
+            "%d entries reloaded)", self.endpoint, self.config.max_size_bytes / 1e9,
+            self.limits.max_value_bytes / 1e6, self.config.disk_dir or "off", "on" if self._auth else "off", reloaded)
+        if not _is_loopback(host) and self._auth is None:
+            logger.warning("cache server listens on non-loopback %s without an auth token", host)
+        return self.endpoint
+
+    def _reload(self) -> int:
+        if self._disk is None:
+            return 0
+        n = 0
+        for key, value in self._disk.load():
+            # already on disk; if the capacity shrank since, eviction deletes the oldest files
+            if self.store.put(key, memoryview(value), persist=False):
+                n += 1
+            else:
+                self._disk.remove(key)
+        return n
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        if self._sock is None:
+            self.bind()
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop:
+                if not poller.poll(200):  # wake up now and then to notice stop()
+                    continue
+                # drain what is queued, but bounded, so stop() is noticed under constant load
+                for _ in range(256):
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(parts)
+        finally:
+            sock.close(0)
+            self._sock = None
+
+    # -- one message --
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        identity = parts[0].bytes
+        body = parts[1:]
+        envelope: list[bytes] = [identity]
+        if len(body) > 1 and len(body[0]) == 0:  # a REQ client's empty delimiter: echo it back
+            envelope.append(b"")
+            body = body[1:]
+        command, request_id = 0, 0
+        try:
+            req = wire.decode_request([f.buffer for f in body], self.limits)
+            command, request_id = int(req.command), req.request_id
+            status, frames, flags = self._dispatch(req)
+        except wire.WireError as e:
+            # errors raised by handlers carry no id; those from decoding carry whatever was parsed
+            status, frames, flags = e.status, [str(e).encode()], 0
+            request_id = request_id or e.request_id
+            if e.status == Status.UNKNOWN_COMMAND:
+                self.stats.unknown_commands += 1
+            elif e.status == Status.TOO_LARGE:
+                self.stats.rejected_too_large += 1
+            else:
+                self.stats.bad_requests += 1
+            logger.debug("cache server: rejected request: %s", e)
+        except Exception as e:  # a bug must cost one reply, not the server
+            self.stats.internal_errors += 1
+            logger.exception("cache server: internal error handling command %s", command)
+            status, frames, flags = Status.INTERNAL, [f"internal error: {type(e).__name__}".encode()], 0
+        reply = wire.encode_reply(status, command, request_id, frames, flags)
+        try:
+            self._sock.send_multipart(envelope + reply, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # that client's queue is full: it is not reading; never wait for it
+            self.stats.dropped_replies += 1
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:  # EHOSTUNREACH: it disconnected before its reply
+                raise
+            self.stats.dropped_replies += 1
+
+    def _dispatch(self, req: wire.Request) -> tuple[Status, list, int]:
+        if req.command == Command.HEALTH:  # unauthenticated on purpose: probes carry no token, it reveals nothing
+            return Status.OK, [b"ok"], 0
+        if self._auth is not None and not hmac.compare_digest(req.auth, self._auth):
+            self.stats.auth_failures += 1
+            return Status.AUTH_FAILED, [b"authentication failed: wrong or missing token"], 0
+        handler = _HANDLERS[req.command]
+        return handler(self, req.frames)
+
+    def _key(self, frame) -> bytes:
+        view = memoryview(frame)
+        if view.nbytes == 0:
+            raise wire.WireError(Status.BAD_REQUEST, "empty key")
+        if view.nbytes > self.limits.max_key_bytes:
+            raise wire.WireError(Status.TOO_LARGE, f"key of {view.nbytes} bytes, limit {self.limits.max_key_bytes}")
+        return bytes(view)
+
+    @staticmethod
+    def _arity(frames: Sequence, n: int, what: str) -> None:
+        if len(frames) != n:
+            raise wire.WireError(Status.BAD_REQUEST, f"{what} takes {n} payload frames, got {len(frames)}")
+
+    def _put(self, frames: Sequence) -> tuple[Status, list, int]:
+        self._arity(frames, 2, "PUT")
+        key, value = self._key(frames[0]), memoryview(frames[1])
+        if value.nbytes > self.limits.max_value_bytes:
+            raise wire.WireError(Status.TOO_LARGE,
+                                 f"value of {value.nbytes} bytes, limit {self.limits.max_value_bytes}")
+        self.stats.puts += 1
+        if not self.store.put(key, value):
+            raise wire.WireError(Status.TOO_LARGE,
+                                 f"entry of {len(key) + value.nbytes} bytes exceeds capacity {self.store.capacity}")
+        return Status.OK, [], 0
+
+    def _get(self, frames: Sequence) -> tuple[Status, list, int]:
+        self._arity(frames, 1, "GET")
+        self.stats.gets += 1
+        value = self.store.get(self._key(frames[0]))
+        if value is None:
+            self.stats.misses += 1
+            return Status.NOT_FOUND, [], 0
+        self.stats.hits += 1
+        return Status.OK, [value], 0
+
+    def _exists(self, frames: Sequence) -> tuple[Status, list, int]:
+        keys = [self._key(f) for f in frames]
+        self.stats.exists_queries += 1
+        self.stats.exists_keys += len(keys)
+        return Status.OK, [wire.pack_bits([k in self.store for k in keys])], 0
+
+    def _delete(self, frames: Sequence) -> tuple[Status, list, int]:
+        self._arity(frames, 1, "DELETE")
+        self.stats.deletes += 1
+        return (Status.OK if self.store.delete(self._key(frames[0])) else Status.NOT_FOUND), [], 0
+
+    def _list(self, frames: Sequence) -> tuple[Status, list, int]:
+        if len(frames) > 1:
+            raise wire.WireError(Status.BAD_REQUEST, f"LIST takes 0 or 1 payload frames, got {len(frames)}")
+        limit = wire.unpack_u32(frames[0]) if frames else LIST_DEFAULT
+        limit = min(limit, self.limits.max_keys_per_request)
+        keys, truncated = self.store.keys(limit)
+        return Status.OK, keys, wire.FLAG_TRUNCATED if truncated else 0
+
+    def _stats(self, frames: Sequence) -> tuple[Status, list, int]:
+        self._arity(frames, 0, "STATS")
+        return Status.OK, [json.dumps(self.stats_dict()).encode()], 0
+
+    def stats_dict(self) -> dict[str, int | float | str]:
+        return {
+            **asdict(self.stats),
+            "keys": len(self.store),
+            "used_bytes": self.store.used_bytes,
+            "capacity_bytes": self.store.capacity,
+            "max_value_bytes": self.limits.max_value_bytes,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "protocol_version": wire.VERSION,
+            "persistent": self._disk is not None,
+        }
+
+
+_HANDLERS = {
+    Command.PUT: CacheServer._put,
+    Command.GET: CacheServer._get,
+    Command.EXISTS: CacheServer._exists,
+    Command.DELETE: CacheServer._delete,
+    Command.LIST: CacheServer._list,
+    Command.STATS: CacheServer._stats,
+}
+
+
+def _zmq_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ---- command line -------------------------------------------------------------------------------
+def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--max-size-gb", type=float, default=4.0, help="capacity; LRU eviction beyond it")
+    p.add_argument("--max-value-mb", type=float, default=1024.0, help="largest value one PUT may carry")
+    p.add_argument("--disk", default=None, metavar="DIR",
+                   help="write entries through to DIR and reload them at start")
+    p.add_argument("--auth-token", default=None,
+                   help=f"require this token from clients (default: ${AUTH_TOKEN_ENV}, else no auth)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run_server)
+    return p
+
+
+def add_server_parser(subparsers) -> argparse.ArgumentParser:
+    """`lmcache-triton server ...`: the CLI hands its subparsers here."""
+    return _configure(subparsers.add_parser("server", help="run the remote cache server (lm://host:port)",
+                                            description=__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.max_size_gb <= 0 or args.max_value_mb <= 0:
+        raise ValueError(f"--max-size-gb and --max-value-mb must be positive, got {args.max_size_gb} and "
+                         f"{args.max_value_mb}")
+    return ServerConfig(
+        host=args.host, port=args.port, max_size_bytes=int(args.max_size_gb * 1e9),
+        limits=Limits(max_value_bytes=int(args.max_value_mb * (1 << 20))),
+        disk_dir=args.disk, auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = CacheServer(config_from_args(args))
+        server.bind()
+    except (ValueError, zmq.ZMQError, OSError) as e:
+        print(f"lmcache-triton server: cannot start on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+
+    def _stop(signum, _frame) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.serve_forever()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _configure(argparse.ArgumentParser(prog="python -m lmcache_triton.storage.cache_server",
+                                              description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args(argv)
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

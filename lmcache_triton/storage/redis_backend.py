@@ -1,0 +1,86 @@
+"""`redis://host:port[/db]`, `rediss://` (TLS) and `valkey://` / `valkeys://` (same protocol).
+
+Keys are `lmct:` + the chunk key, so the cache can share a database with other data and be listed
+or flushed with `SCAN MATCH lmct:*`. Eviction is Redis's own (set `maxmemory` and an
+`allkeys-lru` policy on the server); this client does not bound what it stores.
+
+redis-py's retries are turned off: a retry would multiply the time a call can take, and a miss is
+cheaper than a stalled forward pass. Its connection pool reconnects by itself (a pooled connection
+that the server closed is detected and replaced on next use), so a restarted server is used again
+without any action here (tests/storage/test_redis.py checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.storage.remote import RemoteChunkBackend
+
+KEY_PREFIX = "lmct:"
+_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+
+
+def redis_url(url: str) -> str:
+    """The URL redis-py understands: valkey:// and valkeys:// mapped to redis:// and rediss://."""
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(f"not a redis/valkey url: {url!r} (expected redis://, rediss://, valkey:// or valkeys://)")
+    if not parts.hostname:
+        raise ValueError(f"redis url {url!r} has no host")
+    return urlunsplit(parts._replace(scheme=_SCHEMES[parts.scheme]))
+
+
+class RedisBackend(RemoteChunkBackend):
+    name = "RedisBackend"
+
+    def __init__(self, url: str, metadata: LMCacheEngineMetadata | None = None, *, compression: str = "naive",
+                 timeout_s: float = 10.0, auth_token: str | None = None, key_prefix: str = KEY_PREFIX) -> None:
+        super().__init__(url=_redact(url), metadata=metadata, compression=compression, timeout_s=timeout_s)
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as e:
+            raise ImportError(f"remote_url {self.url!r} needs the `redis` package: "
+                              "pip install 'lmcache-triton[redis]'") from e
+        kwargs = {}
+        if auth_token and not urlsplit(url).password:
+            kwargs["password"] = auth_token
+        self.prefix = key_prefix
+        self._redis = redis.Redis.from_url(
+            redis_url(url), socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, **kwargs)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        self._redis.set(self._k(key), data)
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        return self._redis.get(self._k(key))
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        # EXISTS k1 k2 ... returns a count, not which ones: one pipelined round trip of single EXISTS
+        pipe = self._redis.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(self._k(k))
+        return [bool(n) for n in pipe.execute()]
+
+    def _delete(self, key: str) -> bool:
+        return bool(self._redis.delete(self._k(key)))
+
+    def _close(self) -> None:
+        self._redis.close()
+
+
+def _redact(url: str) -> str:
+    """The url without its password, for logs and stats."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))

@@ -1,0 +1,180 @@
+"""Shared fixtures: free loopback ports, a cache server subprocess, a redis-server subprocess.
+
+The servers are real processes on 127.0.0.1, started per test and killed after it. The factories
+(`start_cache_server`, `start_redis_server`) let a test kill and restart a server on the same port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_START_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    """Call it for a loopback TCP port that nothing listens on (as of now)."""
+    return _free_port
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess on 127.0.0.1:port; `restart()` brings it back on the same port."""
+
+    argv: list[str]
+    port: int
+    url: str
+    wait_ready: Callable[[ServerProcess], None]
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    _log: Any = field(default=None, repr=False)
+
+    def start(self) -> ServerProcess:
+        # stderr to a file, not a pipe: a pipe nobody reads would block a chatty server
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL,
+                                     stderr=self._log)
+        self.wait_ready(self)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash looks like to clients."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> ServerProcess:
+        self.kill()
+        return self.start()
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def check_alive(self) -> None:
+        assert self.proc is not None and self.proc.poll() is None, (
+            f"server exited with {self.proc.returncode}: {self.log()}")
+
+
+def _wait(server: ServerProcess, ready: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {server.proc.returncode} at start: "
+                               f"{server.log()}")
+        if ready():
+            return
+        time.sleep(0.05)
+    server.kill()
+    raise RuntimeError(f"{what} did not become ready on port {server.port} within {_START_TIMEOUT_S} s")
+
+
+def _cache_server_ready(server: ServerProcess) -> None:
+    from lmcache_triton.storage.remote import CacheServerClient
+
+    client = CacheServerClient("127.0.0.1", server.port, timeout_s=0.5)
+    try:
+        _wait(server, lambda: client.health(0.2), "cache server")
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def start_cache_server(free_port) -> Iterator[Callable[..., ServerProcess]]:
+    """start_cache_server(*extra_args, port=None, env=None) -> a running ServerProcess (HEALTH answered)."""
+    started: list[ServerProcess] = []
+
+    def start(*extra: str, port: int | None = None, env: dict[str, str] | None = None) -> ServerProcess:
+        port = port or free_port()
+        argv = [sys.executable, "-m", "lmcache_triton.storage.cache_server", "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "WARNING", *extra]
+        # the developer's own token must not leak into tests that expect an open server
+        full_env = {k: v for k, v in os.environ.items() if k != "LMCACHE_REMOTE_AUTH_TOKEN"}
+        full_env.update(env or {})
+        server = ServerProcess(argv, port, f"lm://127.0.0.1:{port}", _cache_server_ready, full_env)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+@pytest.fixture
+def cache_server(start_cache_server) -> ServerProcess:
+    """A cache server with default options; `.url` is its lm:// url."""
+    return start_cache_server()
+
+
+def _redis_ready(server: ServerProcess) -> None:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+    def ping() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    try:
+        _wait(server, ping, "redis-server")
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def start_redis_server(free_port) -> Iterator[Callable[..., ServerProcess]]:
+    """start_redis_server(port=None) -> a running redis-server without persistence."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed: apt-get install -y redis-server (or brew install redis) "
+                    "to run the Redis backend tests")
+    pytest.importorskip("redis", reason="the redis package is missing: pip install 'lmcache-triton[redis]'")
+    started: list[ServerProcess] = []
+
+    def start(port: int | None = None) -> ServerProcess:
+        port = port or free_port()
+        argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--protected-mode", "no"]
+        server = ServerProcess(argv, port, f"redis://127.0.0.1:{port}/0", _redis_ready)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+@pytest.fixture
+def redis_server(start_redis_server) -> ServerProcess:
+    """A redis-server on a free loopback port; `.url` is its redis:// url."""
+    return start_redis_server()
