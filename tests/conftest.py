@@ -137,11 +137,20 @@ def cache_server(start_cache_server) -> ServerProcess:
 def _redis_ready(server: ServerProcess) -> None:
     import redis
 
-    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # redis-py's default retries with back-off take ~3.5 s per failed PING
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                         retry=Retry(NoBackoff(), 0))
 
     def ping() -> bool:
         try:
             return bool(client.ping())
+        except redis.AuthenticationError:
+            return True  # started with --requirepass: up, and refusing us as it should
+        except redis.ResponseError as e:
+            return "NOAUTH" in str(e)
         except redis.RedisError:
             return False
 
@@ -153,7 +162,7 @@ def _redis_ready(server: ServerProcess) -> None:
 
 @pytest.fixture
 def start_redis_server(free_port) -> Iterator[Callable[..., ServerProcess]]:
-    """start_redis_server(port=None) -> a running redis-server without persistence."""
+    """start_redis_server(*extra_args, port=None) -> a running redis-server without persistence."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server not installed: apt-get install -y redis-server (or brew install redis) "
@@ -161,10 +170,10 @@ def start_redis_server(free_port) -> Iterator[Callable[..., ServerProcess]]:
     pytest.importorskip("redis", reason="the redis package is missing: pip install 'lmcache-triton[redis]'")
     started: list[ServerProcess] = []
 
-    def start(port: int | None = None) -> ServerProcess:
+    def start(*extra: str, port: int | None = None) -> ServerProcess:
         port = port or free_port()
         argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--protected-mode", "no"]
+                "--protected-mode", "no", *extra]
         server = ServerProcess(argv, port, f"redis://127.0.0.1:{port}/0", _redis_ready)
         started.append(server)
         return server.start()
@@ -178,3 +187,78 @@ def start_redis_server(free_port) -> Iterator[Callable[..., ServerProcess]]:
 def redis_server(start_redis_server) -> ServerProcess:
     """A redis-server on a free loopback port; `.url` is its redis:// url."""
     return start_redis_server()
+
+
+@pytest.fixture
+def make_chunk():
+    """make_chunk(pool, seed, tokens=16) -> a KV_2LTD bfloat16 MemoryObj [2, 4, tokens, 64] filled from `seed`,
+    and its key; the same seed gives the same chunk in every process (tests of two "hosts")."""
+    import torch
+
+    from lmcache_triton.memory import MemoryFormat
+    from lmcache_triton.token_database import CacheEngineKey
+
+    def make(pool, seed: int, tokens: int = 16):
+        obj = pool.allocate((2, 4, tokens, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
+        obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+        key = CacheEngineKey("test/model", 1, 0, "bfloat16", "KV_2LTD", f"{seed:032x}")
+        return obj, key
+
+    return make
+
+
+@pytest.fixture
+def kv_metadata():
+    """Engine metadata that the chunks of `make_chunk` fit: 4 layers, chunk_size 16, hidden 64, bfloat16."""
+    import torch
+
+    from lmcache_triton.metadata import LMCacheEngineMetadata
+
+    return LMCacheEngineMetadata("test/model", 1, 0, torch.bfloat16, (4, 2, 16, 2, 32))
+
+
+@pytest.fixture
+def pool():
+    """A 64 MiB unpinned TensorMemoryPool: the CPU tier that remote hits land in."""
+    from lmcache_triton.memory import TensorMemoryPool
+
+    return TensorMemoryPool(64 << 20, pin_memory=False)
+
+
+_OTHER_HOST = """
+import sys, torch
+from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
+from lmcache_triton.storage.remote import create_remote_backend
+from lmcache_triton.token_database import CacheEngineKey
+def chunk(pool, seed):
+    obj = pool.allocate((2, 4, 16, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
+    obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return obj, CacheEngineKey("test/model", 1, 0, "bfloat16", "KV_2LTD", f"{seed:032x}")
+pool = TensorMemoryPool(16 << 20, pin_memory=False)
+b = create_remote_backend(sys.argv[1], None, compression="naive", timeout_s=5.0, auth_token=None)
+theirs, theirs_key = chunk(pool, 10)
+got = b.get(theirs_key, pool.allocate)
+assert got is not None and torch.equal(got.tensor, theirs.tensor), "chunk from the first host missing or wrong"
+mine, mine_key = chunk(pool, 11)
+assert b.put(mine_key, mine)
+print("ok")
+"""
+
+
+@pytest.fixture
+def two_hosts(pool, make_chunk):
+    """two_hosts(url, backend): this process puts chunk 10, a second process finds it and puts chunk 11,
+    which this process then finds: the same remote seen from two "hosts"."""
+    import torch
+
+    def run(url: str, backend) -> None:
+        obj, key = make_chunk(pool, seed=10)
+        assert backend.put(key, obj)
+        out = subprocess.run([sys.executable, "-c", _OTHER_HOST, url], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+        expected, key11 = make_chunk(pool, seed=11)
+        got = backend.get(key11, pool.allocate)
+        assert got is not None and torch.equal(got.tensor, expected.tensor)
+
+    return run

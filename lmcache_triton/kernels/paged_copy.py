@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shape,
                      prepare_layers, prepare_slots)
 from .reference import as_2ltd, gather_into_ref, scatter_from_ref
@@ -104,8 +105,13 @@ def _use_triton(device: torch.device) -> bool:
     return device.type == "cuda" or (_INTERPRETED and device.type == "cpu")
 
 
-def _tile(hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps), keyed on the constexpr hidden size only (never on T)."""
+def _tile(hidden: int, element_size: int = 2, direction: str = "gather") -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps), keyed on constexpr sizes only (never on T, so no recompiles):
+    the config `bench.kernels --tune` measured for this key if the tuning file has one, else a
+    heuristic."""
+    tuned = tuning.lookup(direction, hidden, element_size)
+    if tuned is not None:
+        return tuned.block_t, tuned.block_d, tuned.num_warps
     pow2_divisor = hidden & -hidden
     if pow2_divisor >= 64:          # e.g. 576 -> 64, 4096 -> 1024: no masked-off columns
         block_d = min(pow2_divisor, 1024)
@@ -157,12 +163,13 @@ def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> None:
 
 
 def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
+    direction = "gather" if kernel is _paged_gather_kernel else "scatter"
     num_tokens = slots.numel()
     if num_tokens == 0:
         return
     g, k0 = layers.geometry, layers.k[0]
     kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
-    block_t, block_d, num_warps = _tile(g.hidden)
+    block_t, block_d, num_warps = _tile(g.hidden, k0.element_size(), direction)
     grid = (triton.cdiv(num_tokens, block_t), layers.num_layers * layers.num_kv, triton.cdiv(g.hidden, block_d))
     # Triton launches on the current device: make it the cache's (multi-GPU hosts).
     on_device = torch.cuda.device(layers.device) if layers.device.type == "cuda" else contextlib.nullcontext()

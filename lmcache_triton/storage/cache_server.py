@@ -43,7 +43,7 @@ logger = logging.getLogger("lmcache_triton")
 AUTH_TOKEN_ENV = "LMCACHE_REMOTE_AUTH_TOKEN"
 DEFAULT_PORT = 65432
 LIST_DEFAULT = 1000
-_SNDHWM = 64  # replies queued per client before further replies to it are dropped
+_SNDHWM = 1000  # replies queued per client before further replies to it are dropped (zmq default)
 _RCVHWM = 1024
 
 
@@ -451,6 +451,37 @@ def add_server_parser(subparsers) -> argparse.ArgumentParser:
     return _configure(subparsers.add_parser("server", help="run the remote cache server (lm://host:port)",
                                             description=__doc__,
                                             formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def add_stats_parser(subparsers) -> argparse.ArgumentParser:
+    """`lmcache-triton stats lm://host:port`: a running server's STATS as JSON."""
+    p = subparsers.add_parser("stats", help="print a cache server's statistics (JSON)")
+    p.add_argument("url", help="lm://host:port")
+    p.add_argument("--auth-token", default=None, help=f"default: ${AUTH_TOKEN_ENV}")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.set_defaults(func=run_stats)
+    return p
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from lmcache_triton.storage.remote import CacheServerClient, RemoteError, parse_lm_url
+
+    try:
+        host, port = parse_lm_url(args.url)
+    except ValueError as e:
+        print(f"lmcache-triton stats: {e}", file=sys.stderr)
+        return 2
+    client = CacheServerClient(host, port, timeout_s=args.timeout,
+                               auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV))
+    try:
+        stats = client.stats()
+    except RemoteError as e:
+        print(f"lmcache-triton stats: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(json.dumps(stats, indent=2))
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

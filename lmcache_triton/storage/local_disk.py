@@ -23,22 +23,25 @@ import os
 import threading
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from lmcache_triton.memory import MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.base import AllocateFn, StorageBackend
 from lmcache_triton.storage.serde import (
     COMPRESSIONS,
-    ChunkHeader,
     SerdeError,
     UnsupportedVersionError,
     check_fits,
-    deserialize,
+    decode_payload,
     header_span,
     read_header,
-    serialize,
+    serialize_parts,
+    verify_checksum,
 )
 from lmcache_triton.token_database import CacheEngineKey
 
@@ -61,16 +64,6 @@ def _read_prefix(path: Path) -> tuple[bytes, int]:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         return head + f.read(header_span(head) - 8), size
-
-
-def _read_all(path: Path) -> bytearray:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        got = f.readinto(buf)
-    if got != size:
-        raise SerdeError(f"{path}: read {got} of {size} bytes (file changed while read)")
-    return buf
 
 
 def _fsync_dir(path: Path) -> None:
@@ -230,11 +223,12 @@ class LocalDiskBackend(StorageBackend):
             if key in self._writing:
                 return True
         try:
-            data = serialize(key, obj.tensor, obj.fmt, self.compression)
+            # The naive payload is a view of obj.tensor, written straight to the file (no copy).
+            parts = serialize_parts(key, obj.tensor, obj.fmt, self.compression)
         except (ValueError, TypeError, RuntimeError) as e:
             self._fail("put_failures", "serialize", f"cannot serialize {key}: {e}")
             return False
-        size = len(data)
+        size = sum(len(p) for p in parts)
         with self._lock:
             if key in self._index or key in self._writing:
                 return True
@@ -247,7 +241,7 @@ class LocalDiskBackend(StorageBackend):
             self._reserved += size
             self._writing.add(key)
         path = self.path_for(key)
-        ok = self._write_atomic(path, data)
+        ok = self._write_atomic(path, parts)
         with self._lock:
             self._reserved -= size
             self._writing.discard(key)
@@ -258,12 +252,13 @@ class LocalDiskBackend(StorageBackend):
             self._counts["bytes_written"] += size
         return True
 
-    def _write_atomic(self, path: Path, data: bytes) -> bool:
+    def _write_atomic(self, path: Path, parts: Sequence[bytes | memoryview]) -> bool:
         tmp = path.parent / f"{TMP_PREFIX}{path.stem}-{uuid.uuid4().hex[:12]}"
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(data)
+                for part in parts:
+                    f.write(part)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
@@ -301,15 +296,29 @@ class LocalDiskBackend(StorageBackend):
     def _read(self, key: CacheEngineKey, entry: _Entry, allocate: AllocateFn) -> MemoryObj | None:
         obj: MemoryObj | None = None
         try:
-            data = _read_all(entry.path)
-            header: ChunkHeader = read_header(data)
-            check_fits(header, self.metadata)
-            obj = allocate(header.shape, header.dtype, header.fmt)
-            if obj is None:
-                with self._lock:
-                    self._counts["alloc_failures"] += 1
-                return None
-            deserialize(data, out=obj.tensor, expected_key=key.to_string())
+            with open(entry.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                head += f.read(header_span(head) - 8)
+                header = read_header(head)
+                if size != header.file_nbytes:
+                    raise SerdeError(f"file is {size} bytes, its header says {header.file_nbytes}")
+                if header.key != key.to_string():
+                    raise SerdeError(f"file holds key {header.key!r}, expected {key.to_string()!r}")
+                check_fits(header, self.metadata)  # before allocating: the shape comes from the file
+                obj = allocate(header.shape, header.dtype, header.fmt)
+                if obj is None:
+                    with self._lock:
+                        self._counts["alloc_failures"] += 1
+                    return None
+                if header.compression == "naive" and obj.tensor.is_contiguous():
+                    # Straight into the caller's buffer, then verified there: one copy instead of
+                    # two. Bad bytes never escape: on a mismatch the object is freed below.
+                    dst = obj.tensor.reshape(-1).view(torch.uint8).numpy()
+                    got = f.readinto(memoryview(dst))
+                    verify_checksum(header, dst if got == len(dst) else dst[:got])
+                else:
+                    decode_payload(header, f.read(header.payload_nbytes), out=obj.tensor)
             return obj
         except FileNotFoundError:
             with self._lock:  # evicted or removed between the index lookup and the open

@@ -158,9 +158,9 @@ class RemoteChunkBackend(StorageBackend):
         k = key.to_string()
         try:
             data = serde.serialize(k, obj.tensor, obj.fmt, self.compression)
-        except ValueError as e:
+        except Exception as e:  # not a chunk serde can write (a caller bug), but put never raises
             self._count("put_failures")
-            logger.warning("remote %s: cannot serialize chunk %s: %s", self.url, k, e)
+            logger.warning("remote %s: cannot serialize chunk %s: %s: %s", self.url, k, type(e).__name__, e)
             return False
         ok, _ = self._call("put", lambda: self._put_bytes(k, data))
         if not ok:
@@ -186,7 +186,7 @@ class RemoteChunkBackend(StorageBackend):
                 self._count("misses")
                 return None
             serde.deserialize(data, out=obj.tensor, expected_key=k)
-        except (serde.SerdeError, ValueError) as e:
+        except serde.SerdeError as e:
             if obj is not None:
                 obj.free()
             self._count("corrupt")
@@ -194,6 +194,14 @@ class RemoteChunkBackend(StorageBackend):
             logger.warning("remote %s: chunk %s is unusable, treated as a miss: %s", self.url, k, e)
             if not isinstance(e, serde.UnsupportedVersionError):  # a newer writer's chunk is not ours to delete
                 self._call("delete corrupt", lambda: self._delete(k))
+            return None
+        except Exception as e:  # e.g. an allocator or buffer problem on our side: still only a miss
+            if obj is not None:
+                obj.free()
+            self._count("errors")
+            self._count("misses")
+            logger.warning("remote %s: reading chunk %s failed, treated as a miss: %s: %s",
+                           self.url, k, type(e).__name__, e)
             return None
         self._count("hits")
         return obj

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from lmcache_triton.storage import wire
-from lmcache_triton.storage.cache_server import add_server_parser, config_from_args
+from lmcache_triton.storage.cache_server import add_server_parser, add_stats_parser, config_from_args
 from lmcache_triton.storage.remote import CacheServerClient, RemoteError
 from lmcache_triton.storage.wire import Command, Status
 
@@ -151,6 +151,19 @@ def test_fuzz_random_and_mutated_frames(start_cache_server) -> None:
         peer.sock.send_multipart(parts)
         while peer.sock.poll(0):
             peer.sock.recv_multipart()  # replies or not: only the server's survival matters
+    # A last good request on the same connection: its reply means every fuzz message was handled.
+    # Re-asked now and then, because replies to a peer that reads slower than it writes may be
+    # dropped (SNDHWM), by design.
+    deadline, answered, rid = time.monotonic() + 10, False, 1_000_000
+    while not answered:
+        assert time.monotonic() < deadline, "server stopped answering the fuzzing peer"
+        rid += 1
+        peer.sock.send_multipart(wire.encode_request(Command.HEALTH, rid))
+        while not answered and peer.sock.poll(500):
+            parts = peer.sock.recv_multipart()
+            if parts[0] == b"":  # the fuzzer's empty first frame looked like a REQ delimiter, echoed back
+                parts = parts[1:]
+            answered = wire.decode_reply(parts).request_id == rid
     peer.close()
     assert time.monotonic() - start < 20
     server.check_alive()
@@ -208,7 +221,7 @@ def test_slow_reader_does_not_stall_others(start_cache_server) -> None:
     good.put(b"big", b"z" * (1 << 20))
     slow = RawPeer(server.port, rcvhwm=1)  # never reads: its replies pile up, then get dropped
     get_big = wire.encode_request(Command.GET, 1, [b"big"])
-    for _ in range(400):
+    for _ in range(2500):  # more than the server's SNDHWM (1000) can queue for it
         slow.sock.send_multipart(get_big)
     time.sleep(0.5)
     t = time.monotonic()
@@ -228,3 +241,24 @@ def test_cli_parser() -> None:
     assert callable(args.func)
     with pytest.raises(ValueError, match="max-size-gb"):
         config_from_args(parser.parse_args(["server", "--max-size-gb", "0"]))
+
+
+def test_stats_command(cache_server, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_stats_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["stats", cache_server.url])
+    assert args.func(args) == 0
+    assert '"keys": 0' in capsys.readouterr().out
+    args = parser.parse_args(["stats", "lm://nohost"])
+    assert args.func(args) == 2 and "lm://host:port" in capsys.readouterr().err
+
+
+def test_req_socket_client_works(cache_server) -> None:
+    sock = zmq.Context.instance().socket(zmq.REQ)  # adds an empty delimiter frame, which the server echoes
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{cache_server.port}")
+    sock.send_multipart(wire.encode_request(Command.PUT, 5, [b"k", b"v"]))
+    assert sock.poll(2000)
+    reply = wire.decode_reply(sock.recv_multipart())
+    assert (reply.status, reply.request_id, reply.command) == (Status.OK, 5, Command.PUT)
+    sock.close(0)

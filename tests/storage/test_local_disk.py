@@ -107,7 +107,9 @@ b = LocalDiskBackend({str(tmp_path)!r}, 1 << 20, meta, compression="lz4")
 assert b.put(CacheEngineKey({MODEL!r}, 1, 0, "bfloat16", "KV_2LTD", {f"{7:032x}"!r}), MemoryObj(t, MemoryFormat.KV_2LTD))
 b.close()
 """
+    # Another hash seed than ours: keys and file names must not depend on Python's hash().
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "123"}
+    env.pop("TRITON_INTERPRET", None)  # the child runs what a CPU host runs
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=120)
     b = _backend(tmp_path)
     got = b.get(_key(7), pool.allocate)
@@ -300,7 +302,7 @@ def test_concurrent_puts_and_gets(tmp_path):
     assert not errors, errors
     s = b.stats()
     assert s["corrupt"] == 0 and s["pending_bytes"] == 0 and s["used_bytes"] <= cap
-    files = [p for p in _files(tmp_path)]
+    files = _files(tmp_path)
     assert all(not p.name.startswith(".tmp-") for p in files)
     assert sum(p.stat().st_size for p in files) == s["used_bytes"] and len(files) == len(b.keys())
     assert pool.used_bytes == 0

@@ -1,0 +1,178 @@
+"""Remote tier throughput over loopback: `python -m bench.storage_remote [--reps N] [--no-redis]`.
+
+One 32 MiB chunk (Llama-3-8B, 256 tokens: [2, 32 layers, 256, 8 heads * 128] bfloat16) through:
+- lm:// raw zmq   a bare ROUTER that keeps/returns the bytes (the transport's ceiling)
+- lm:// client    CacheServerClient put/get of the serde bytes (wire format + server, no serde)
+- lm:// backend   CacheServerBackend put/get of a MemoryObj (serialize; read back, checksum, copy)
+- redis raw       redis-py SET/GET of the serde bytes
+- redis backend   RedisBackend put/get of a MemoryObj
+GB/s = chunk bytes / median seconds per call; every row is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from bench.common import context, median, write_json
+from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
+from lmcache_triton.storage import serde
+from lmcache_triton.storage.remote import CacheServerClient, create_remote_backend
+from lmcache_triton.token_database import CacheEngineKey
+
+SHAPE = (2, 32, 256, 1024)  # Llama-3-8B: 32 layers, 8 KV heads x 128, 256 tokens
+DTYPE = torch.bfloat16
+
+_RAW_ZMQ_SERVER = """
+import sys, zmq
+s = zmq.Context().socket(zmq.ROUTER); s.bind("tcp://127.0.0.1:" + sys.argv[1])
+stored = b""
+while True:
+    ident, op, *rest = s.recv_multipart(copy=False)
+    if op.bytes == b"P":
+        stored = rest[0]
+        s.send_multipart([ident, b"ok"], copy=False)
+    else:
+        s.send_multipart([ident, stored], copy=False)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up (connections, first-touch of pages)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return median(times)
+
+
+def _wait_for(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.05)
+
+
+def _bench_backend(url: str, obj, key, pool, reps: int) -> tuple[float, float]:
+    b = create_remote_backend(url, None, compression="naive", timeout_s=30.0, auth_token=None)
+
+    def put() -> None:
+        assert b.put(key, obj), f"put to {url} failed: {b.stats()}"
+
+    def get() -> None:
+        got = b.get(key, pool.allocate)
+        assert got is not None, f"get from {url} missed: {b.stats()}"
+        got.free()
+
+    result = _time(put, reps), _time(get, reps)
+    b.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.storage_remote", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--no-redis", action="store_true")
+    args = ap.parse_args(argv)
+
+    pool = TensorMemoryPool(3 * 2 * 32 * 256 * 1024 * 2, pin_memory=False)
+    obj = pool.allocate(SHAPE, DTYPE, MemoryFormat.KV_2LTD)
+    obj.tensor.copy_(torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)))
+    key = CacheEngineKey("bench/llama-3-8b", 1, 0, "bfloat16", "KV_2LTD", "0" * 32)
+    data = serde.serialize(key, obj.tensor, obj.fmt)
+    nbytes = obj.tensor.numel() * obj.tensor.element_size()
+    procs: list[subprocess.Popen] = []
+    rows: list[dict] = []
+
+    def row(name: str, put_s: float, get_s: float) -> None:
+        rows.append({"path": name, "put_GBps": nbytes / put_s / 1e9, "get_GBps": nbytes / get_s / 1e9,
+                     "put_ms": put_s * 1e3, "get_ms": get_s * 1e3})
+
+    try:
+        # raw zmq ceiling
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, "-c", _RAW_ZMQ_SERVER, str(port)]))
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+
+        def raw_put() -> None:
+            sock.send_multipart([b"P", data], copy=False)
+            sock.recv_multipart(copy=False)
+
+        def raw_get() -> None:
+            sock.send_multipart([b"G"])
+            sock.recv_multipart(copy=False)
+
+        row("lm:// raw zmq", _time(raw_put, args.reps), _time(raw_get, args.reps))
+        sock.close(0)
+
+        # the cache server
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "lmcache_triton.storage.cache_server", "--port",
+                                       str(port), "--max-size-gb", "1", "--log-level", "WARNING"]))
+        client = CacheServerClient("127.0.0.1", port, timeout_s=30.0)
+        _wait_for(lambda: client.health(0.2), "cache server")
+        k = key.to_string().encode()
+        row("lm:// client", _time(lambda: client.put(k, data), args.reps), _time(lambda: client.get(k), args.reps))
+        client.close()
+        row("lm:// backend", *_bench_backend(f"lm://127.0.0.1:{port}", obj, key, pool, args.reps))
+
+        # redis
+        exe = shutil.which("redis-server")
+        if args.no_redis or exe is None:
+            print("redis: skipped" + ("" if args.no_redis else " (redis-server not installed)"))
+        else:
+            import redis
+
+            port = _free_port()
+            procs.append(subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no"], stdout=subprocess.DEVNULL))
+            r = redis.Redis(host="127.0.0.1", port=port)
+
+            def up() -> bool:
+                try:
+                    return bool(r.ping())
+                except redis.RedisError:
+                    return False
+
+            _wait_for(up, "redis-server")
+            row("redis raw SET/GET", _time(lambda: r.set("raw", data), args.reps),
+                _time(lambda: r.get("raw"), args.reps))
+            row("redis backend", *_bench_backend(f"redis://127.0.0.1:{port}/0", obj, key, pool, args.reps))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+    ctx = context()
+    print(f"remote tier, one {nbytes / 2**20:.0f} MiB chunk {list(SHAPE)} {DTYPE}, loopback, median of {args.reps}"
+          f" ({ctx['device']}, commit {ctx['commit']})")
+    print(f"{'path':<20} {'put GB/s':>9} {'get GB/s':>9} {'put ms':>8} {'get ms':>8}")
+    for x in rows:
+        print(f"{x['path']:<20} {x['put_GBps']:>9.2f} {x['get_GBps']:>9.2f} {x['put_ms']:>8.1f} {x['get_ms']:>8.1f}")
+    path = write_json("storage_remote", {**ctx, "chunk_bytes": nbytes, "shape": list(SHAPE), "dtype": str(DTYPE),
+                                         "reps": args.reps, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Integrations of lmcache_triton with serving engines."""

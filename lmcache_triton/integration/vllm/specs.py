@@ -1,0 +1,191 @@
+"""The scheduler's per-request state and the per-step metadata it sends to the workers.
+
+Names and fields follow LMCache's vLLM adapter, so its users find what they know. The rules:
+- a request's KV is saved in whole chunks as its prefill advances (chunked prefill included);
+  the partial tail chunk only at the last prefill step and only with `save_unfull_chunk`;
+- decode tokens are saved only with `save_decode_cache`;
+- after a preemption the request's blocks change, so the tracker restarts from what is cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    vllm_cached_tokens: int      # tokens vLLM already holds (its own prefix cache)
+    lmcache_cached_tokens: int   # tokens lmcache_triton can load
+    can_load: bool               # the scheduler allocated blocks for them
+
+
+@dataclass
+class SaveSpec:
+    skip_leading_tokens: int     # already saved: store from here on
+    can_save: bool
+
+
+@dataclass
+class DisaggSpec:
+    """Where a prefill instance sends KV in disaggregated serving (carried, not yet acted on)."""
+
+    req_id: str
+    receiver_id: str = ""
+    receiver_host: str = ""
+    receiver_init_port: int = 0
+    receiver_alloc_port: int = 0
+    is_last_prefill: bool = False
+    num_transferred_tokens: int = 0
+
+
+def _flatten_block_ids(block_ids: Any) -> list[int]:
+    """vLLM gives one list per KV-cache group; the connector serves the single full-attention group."""
+    if not block_ids:
+        return []
+    if isinstance(block_ids, tuple) or isinstance(block_ids[0], list):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def chunk_extra_hashes(mm_hashes: list[str] | None, mm_positions: list[Any] | None, num_tokens: int,
+                       chunk_size: int) -> list[bytes] | None:
+    """Per chunk, the hashes of the multimodal inputs whose placeholders overlap it: the same
+    placeholder token ids with another image must never hit the same KV."""
+    if not mm_hashes or not mm_positions:
+        return None
+    extras: list[bytes] = []
+    for start in range(0, num_tokens, chunk_size):
+        end = start + chunk_size
+        h = hashlib.blake2b(digest_size=16)
+        hit = False
+        for mm_hash, pos in zip(mm_hashes, mm_positions):
+            if pos.offset < end and pos.offset + pos.length > start:
+                h.update(str(mm_hash).encode())
+                hit = True
+        extras.append(h.digest() if hit else b"")
+    return extras
+
+
+@dataclass
+class RequestTracker:
+    req_id: str
+    prompt_len: int
+    token_ids: list[int]
+    allocated_block_ids: list[int]
+    num_saved_tokens: int = 0
+    disagg_spec: DisaggSpec | None = None
+    mm_hashes: list[str] | None = None
+    mm_positions: list[Any] | None = None
+    request_configs: dict | None = None
+    is_decode_phase: bool = False
+    skip_save: bool = False
+    namespace: str = ""
+
+    @classmethod
+    def from_new_request(cls, new_request: Any, num_tokens_to_compute: int, lmcache_cached_tokens: int,
+                         *, skip_save: bool, namespace: str = "", mm_hashes=None, mm_positions=None,
+                         request_configs: dict | None = None) -> RequestTracker:
+        prompt = list(new_request.prompt_token_ids or [])
+        return cls(
+            req_id=new_request.req_id,
+            prompt_len=len(prompt),
+            token_ids=prompt[:num_tokens_to_compute],
+            allocated_block_ids=_flatten_block_ids(new_request.block_ids),
+            num_saved_tokens=lmcache_cached_tokens,  # what is cached need not be saved again
+            mm_hashes=mm_hashes,
+            mm_positions=mm_positions,
+            request_configs=request_configs,
+            skip_save=skip_save,
+            namespace=namespace,
+        )
+
+    def update(self, new_token_ids: list[int], new_block_ids: Any) -> None:
+        """A running request scheduled again: its new tokens and blocks."""
+        self.allocated_block_ids.extend(_flatten_block_ids(new_block_ids))
+        self.token_ids.extend(new_token_ids)
+        if len(self.token_ids) > self.prompt_len:
+            self.is_decode_phase = True
+
+    def reset_after_preemption(self, all_token_ids: list[int], num_tokens_to_compute: int, new_block_ids: Any,
+                               lmcache_cached_tokens: int) -> None:
+        """A preempted request resumes with new blocks; its KV is recomputed or reloaded from scratch."""
+        self.allocated_block_ids = _flatten_block_ids(new_block_ids)
+        self.token_ids = list(all_token_ids[:num_tokens_to_compute])
+        self.num_saved_tokens = lmcache_cached_tokens
+
+
+@dataclass
+class ReqMeta:
+    req_id: str
+    token_ids: list[int]
+    slot_mapping: torch.Tensor
+    is_last_prefill: bool = False
+    save_spec: SaveSpec | None = None
+    load_spec: LoadSpec | None = None
+    disagg_spec: DisaggSpec | None = None
+    request_configs: dict | None = None
+    namespace: str = ""
+    extra_hashes: list[bytes] | None = None
+
+    @classmethod
+    def from_request_tracker(cls, tracker: RequestTracker, block_size: int, chunk_size: int, *,
+                             load_spec: LoadSpec | None = None, save_unfull_chunk: bool = False,
+                             save_decode_cache: bool = False) -> ReqMeta | None:
+        """What the workers must do for this request in this step; None when nothing."""
+        num_tokens = len(tracker.token_ids)
+        is_last_prefill = num_tokens >= tracker.prompt_len
+        # Save when the new tokens complete a chunk past what is saved (or finish the prefill).
+        next_boundary = (tracker.num_saved_tokens // chunk_size + 1) * chunk_size
+        request_skip = bool((tracker.request_configs or {}).get("lmcache.skip_save", False))
+        skip_save = (
+            tracker.skip_save
+            or request_skip
+            or (tracker.is_decode_phase and not save_decode_cache)
+            or (num_tokens < next_boundary and not (is_last_prefill and save_unfull_chunk))
+        )
+        if skip_save and load_spec is None:
+            return None
+        if is_last_prefill and save_unfull_chunk and not tracker.is_decode_phase:
+            num_to_save = num_tokens
+        else:  # mid-prefill a partial chunk would be saved again once it fills: keep whole chunks only
+            num_to_save = num_tokens // chunk_size * chunk_size
+        save_spec = SaveSpec(skip_leading_tokens=tracker.num_saved_tokens, can_save=not skip_save)
+        if not skip_save:
+            tracker.num_saved_tokens = max(tracker.num_saved_tokens, num_to_save)
+
+        num_meta_tokens = max(num_to_save, load_spec.lmcache_cached_tokens if load_spec and load_spec.can_load else 0)
+        token_ids = tracker.token_ids[:num_meta_tokens]
+        blocks = torch.tensor(tracker.allocated_block_ids, dtype=torch.long)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)[:len(token_ids)]
+        if len(slots) < len(token_ids):
+            raise RuntimeError(f"request {tracker.req_id}: {len(token_ids)} tokens but only "
+                               f"{len(tracker.allocated_block_ids)} blocks of {block_size}")
+        return cls(
+            req_id=tracker.req_id,
+            token_ids=token_ids,
+            slot_mapping=slots,
+            is_last_prefill=is_last_prefill,
+            save_spec=save_spec,
+            load_spec=load_spec,
+            disagg_spec=tracker.disagg_spec,
+            request_configs=tracker.request_configs,
+            namespace=tracker.namespace,
+            extra_hashes=chunk_extra_hashes(tracker.mm_hashes, tracker.mm_positions, len(token_ids), chunk_size),
+        )
+
+
+@dataclass
+class LMCacheConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step: what to load and save per request, and which requests were looked up
+    (their lookup pins are released by the workers once this step's loads are done)."""
+
+    requests: list[ReqMeta] = field(default_factory=list)
+    lookup_requests_in_step: list[str] = field(default_factory=list)
+
+    def add_request(self, req_meta: ReqMeta) -> None:
+        self.requests.append(req_meta)

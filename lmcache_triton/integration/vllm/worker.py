@@ -1,0 +1,210 @@
+"""The connector's worker side: the engine, the lookup server, loads before and saves after the forward.
+
+Every engine call is guarded: a cache failure costs a miss (the blocks are reported to vLLM,
+which recomputes them) or a skipped save, never a failed step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache_triton.gpu_connector import create_gpu_connector
+from lmcache_triton.integration.vllm.common import engine_id, is_cpu_platform, world_size
+from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
+from lmcache_triton.kernels import kv_geometry
+from lmcache_triton.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
+from lmcache_triton.metadata import LMCacheEngineMetadata
+
+logger = logging.getLogger("lmcache_triton")
+
+
+def adapt_kv_caches(tensors: list[torch.Tensor], *, use_mla: bool, cpu_backend: bool) -> tuple[str, list[torch.Tensor]]:
+    """vLLM's per-layer tensors -> (layout name, tensors the kernels read)."""
+    t = tensors[0]
+    if use_mla:
+        if t.dim() != 3:
+            raise ValueError(f"MLA KV cache must be [num_blocks, block_size, C], got shape {tuple(t.shape)}")
+        return "mla", tensors
+    if t.dim() == 5:
+        if t.shape[0] == 2:
+            return "flash_attn", tensors
+        if t.shape[1] == 2:
+            return "flashinfer", tensors
+    if t.dim() == 4:
+        if cpu_backend:
+            # Same bytes, the CPU kernel's meaning: per (block, head) block_size rows of K, then of V.
+            nb, h, bs, c = t.shape
+            return "vllm_cpu", [x.view(nb, h, 2 * bs, c // 2) for x in tensors]
+        return "vllm_packed", tensors
+    raise ValueError(f"unknown vLLM KV cache layout: per-layer shape {tuple(t.shape)}, strides {t.stride()}")
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, parent: Any) -> None:
+        self.vllm_config = vllm_config
+        self.config = config
+        self.parent = parent
+        self.kv_role = vllm_config.kv_transfer_config.kv_role
+        self.engine: LMCacheEngine | None = None
+        self.lookup_server: LMCacheLookupServer | None = None
+        self.kvcaches: list[torch.Tensor] = []
+        self.block_size = vllm_config.cache_config.block_size
+        self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor, torch.Tensor]] = []
+        self.storers: dict[str, Generator] = {}
+        self.invalid_block_ids: set[int] = set()
+        self.instance_id = ""
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        model_config = self.vllm_config.model_config
+        layout, self.kvcaches = adapt_kv_caches(list(kv_caches.values()), use_mla=model_config.use_mla,
+                                                cpu_backend=is_cpu_platform())
+        geo = kv_geometry(self.kvcaches[0], layout)
+        chunk = self.config.chunk_size
+        if layout == "vllm_cpu" and chunk % geo.block_size:
+            raise ValueError(
+                f"lmcache chunk_size={chunk} must be a multiple of vLLM's block_size={geo.block_size} on the CPU "
+                "backend (it moves whole blocks): set lmcache.chunk_size or --block-size accordingly")
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
+        metadata = LMCacheEngineMetadata(
+            model_name=str(model_config.model), world_size=world_size(self.vllm_config), worker_id=rank,
+            kv_dtype=self.kvcaches[0].dtype,
+            kv_shape=(len(self.kvcaches), 1 if geo.use_mla else 2, chunk, geo.num_kv_heads, geo.head_size),
+            use_mla=geo.use_mla)
+        connector = create_gpu_connector(self.config, metadata, layout, device=self.kvcaches[0].device)
+        self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
+        self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.config, metadata, connector)
+        server_cls = LMCacheAsyncLookupServer if self.config.enable_async_loading else LMCacheLookupServer
+        self.lookup_server = server_cls(self.engine, engine_id(self.vllm_config), rank)
+        logger.info("lmcache_triton worker ready: %d layers, layout %s, block_size %d", len(self.kvcaches), layout,
+                    geo.block_size)
+
+    # ---- loads ---------------------------------------------------------------------------------
+    def _meta(self) -> LMCacheConnectorMetadata:
+        return self.parent._get_connector_metadata()
+
+    def _record_failed(self, req: ReqMeta, expected: torch.Tensor, loaded: torch.Tensor | None) -> None:
+        missing = expected if loaded is None else expected & ~loaded.to(expected.device)
+        if missing.any():
+            blocks = (req.slot_mapping[: len(missing)][missing.cpu()] // self.block_size).unique().tolist()
+            logger.warning("lmcache_triton: request %s failed to load %d tokens; vLLM recomputes %d blocks",
+                           req.req_id, int(missing.sum()), len(blocks))
+            self.invalid_block_ids.update(int(b) for b in blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.engine is None:
+            return
+        self.retrievers = []
+        for req in self._meta().requests:
+            spec = req.load_spec
+            if spec is None or not spec.can_load:
+                continue
+            n = spec.lmcache_cached_tokens
+            tokens = req.token_ids[:n]
+            slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
+            expected = torch.ones(n, dtype=torch.bool)
+            expected[: spec.vllm_cached_tokens // self.config.chunk_size * self.config.chunk_size] = False
+            kw = dict(kvcaches=self.kvcaches, slot_mapping=slots, namespace=req.namespace,
+                      extra_hashes=req.extra_hashes)
+            try:
+                if self.engine.layerwise:
+                    retriever = self.engine.retrieve_layer(tokens, expected, **kw)
+                    entry = (req, retriever, expected, slots)
+                    self.retrievers.append(entry)
+                    self._advance(entry)  # layer 0 now, layer 1 ahead of its forward
+                    self._advance(entry)
+                else:
+                    self._record_failed(req, expected, self.engine.retrieve(tokens, expected, **kw))
+            except Exception:
+                logger.exception("lmcache_triton: load of request %s failed", req.req_id)
+                self._record_failed(req, expected, None)
+
+    def _advance(self, entry: tuple[ReqMeta, Generator, torch.Tensor, torch.Tensor]) -> None:
+        req, retriever, expected, _ = entry
+        try:
+            out = next(retriever, None)
+        except Exception:
+            logger.exception("lmcache_triton: layerwise load of request %s failed", req.req_id)
+            self._record_failed(req, expected, None)
+            return
+        if isinstance(out, torch.Tensor):  # the final step hands back the loaded-token mask
+            self._record_failed(req, expected, out)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for entry in self.retrievers:
+            self._advance(entry)
+
+    # ---- saves ---------------------------------------------------------------------------------
+    def _store_args(self, req: ReqMeta) -> tuple[list[int], torch.Tensor, dict] | None:
+        spec = req.save_spec
+        if self.kv_role == "kv_consumer" or spec is None or not spec.can_save:
+            return None
+        skip = spec.skip_leading_tokens // self.config.chunk_size * self.config.chunk_size
+        if skip >= len(req.token_ids):
+            return None
+        mask = torch.ones(len(req.token_ids), dtype=torch.bool)
+        mask[:skip] = False
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping.to(self.kvcaches[0].device),
+                  namespace=req.namespace, extra_hashes=req.extra_hashes)
+        return req.token_ids, mask, kw
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.engine is None or not self.engine.layerwise:
+            return
+        for req in self._meta().requests:
+            storer = self.storers.get(req.req_id)
+            if storer is None:
+                args = self._store_args(req)
+                if args is None:
+                    continue
+                tokens, mask, kw = args
+                storer = self.storers[req.req_id] = self.engine.store_layer(tokens, mask, **kw)
+            try:
+                next(storer, None)
+            except Exception:
+                logger.exception("lmcache_triton: layerwise save of request %s failed", req.req_id)
+                self.storers[req.req_id] = iter(())
+
+    def wait_for_save(self) -> None:
+        if self.engine is None:
+            return
+        meta = self._meta()
+        try:
+            if self.engine.layerwise:
+                for storer in self.storers.values():
+                    for _ in storer:  # finish what the per-layer calls began
+                        pass
+            else:
+                for req in meta.requests:
+                    args = self._store_args(req)
+                    if args is not None:
+                        tokens, mask, kw = args
+                        self.engine.store(tokens, mask, **kw)
+        except Exception:
+            logger.exception("lmcache_triton: save failed; those chunks stay uncached")
+        finally:
+            self.storers = {}
+            self.retrievers = []
+            for req_id in meta.lookup_requests_in_step:
+                self.engine.lookup_unpin(req_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self.invalid_block_ids = self.invalid_block_ids, set()
+        return out
+
+    def close(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+            self.lookup_server = None
+        if self.instance_id:
+            LMCacheEngineBuilder.destroy(self.instance_id)
+            self.engine = None

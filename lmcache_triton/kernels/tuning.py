@@ -1,0 +1,143 @@
+"""Tuned tile configs of the paged copy kernels, read from a JSON file written by `bench.kernels --tune`.
+
+The file (default ``~/.cache/lmcache_triton/kernel_tuning.json``, or ``$LMCACHE_TRITON_TUNING_FILE``):
+
+    {"version": 1, "device": "NVIDIA H100 80GB HBM3", "triton": "3.9.0",
+     "configs": {"gather/4096/2": {"BLOCK_T": 4, "BLOCK_D": 1024, "num_warps": 4}, ...}}
+
+Keys are ``direction/hidden/element_size``: constexpr sizes only, never the token count, so a
+tuned config never causes a recompile as request lengths change. The file is read once, lazily, on
+the first launch; a missing default file is the normal case (silently: the heuristic applies). A
+file that is corrupt, invalid, or named by the environment variable but missing falls back to the
+heuristic with one warning. Importing this module reads nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_VAR = "LMCACHE_TRITON_TUNING_FILE"
+VERSION = 1
+DIRECTIONS = ("gather", "scatter")
+_WARPS = (1, 2, 4, 8, 16, 32)
+# BLOCK_D >= 16 keeps every tile a whole number of 16-byte vectors (VEC is at most 16 elements);
+# the tile cap bounds registers per program (64 Ki elements = 128 KiB of bf16 at 32 warps).
+_MIN_BLOCK_D = 16
+_MAX_TILE_ELEMS = 65536
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_t: int
+    block_d: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "block_d", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a positive power of two, got {v!r}")
+        if self.block_d < _MIN_BLOCK_D:
+            raise ValueError(f"block_d must be >= {_MIN_BLOCK_D}, got {self.block_d}")
+        if self.block_t * self.block_d > _MAX_TILE_ELEMS:
+            raise ValueError(f"block_t * block_d must be <= {_MAX_TILE_ELEMS}, got {self.block_t * self.block_d}")
+        if self.num_warps not in _WARPS:
+            raise ValueError(f"num_warps must be one of {_WARPS}, got {self.num_warps}")
+
+    def to_json(self) -> dict[str, int]:
+        return {"BLOCK_T": self.block_t, "BLOCK_D": self.block_d, "num_warps": self.num_warps}
+
+    @classmethod
+    def from_json(cls, d: object) -> TileConfig:
+        if not isinstance(d, dict) or set(d) != {"BLOCK_T", "BLOCK_D", "num_warps"}:
+            raise ValueError(f"a config must be {{'BLOCK_T', 'BLOCK_D', 'num_warps'}}, got {d!r}")
+        return cls(d["BLOCK_T"], d["BLOCK_D"], d["num_warps"])
+
+
+def config_key(direction: str, hidden: int, element_size: int) -> str:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    return f"{direction}/{int(hidden)}/{int(element_size)}"
+
+
+def tuning_file() -> Path:
+    env = os.environ.get(ENV_VAR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lmcache_triton" / "kernel_tuning.json"
+
+
+def parse(payload: object) -> dict[str, TileConfig]:
+    """Validate a decoded tuning file; raises ValueError naming what is wrong."""
+    if not isinstance(payload, dict):
+        raise ValueError("the tuning file must hold a JSON object")
+    if payload.get("version") != VERSION:
+        raise ValueError(f"version must be {VERSION}, got {payload.get('version')!r}")
+    configs = payload.get("configs")
+    if not isinstance(configs, dict):
+        raise ValueError("configs must be an object of 'direction/hidden/element_size' -> config")
+    out = {}
+    for key, value in configs.items():
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] not in DIRECTIONS or not all(p.isdigit() for p in parts[1:]):
+            raise ValueError(f"bad config key {key!r}: expected 'gather|scatter/<hidden>/<element size>'")
+        try:
+            out[key] = TileConfig.from_json(value)
+        except ValueError as e:
+            raise ValueError(f"configs[{key!r}]: {e}") from None
+    return out
+
+
+def load(path: Path) -> dict[str, TileConfig]:
+    return parse(json.loads(Path(path).read_text()))
+
+
+def save(configs: dict[str, TileConfig], path: Path | None = None, **meta: str) -> Path:
+    """Write configs (and metadata such as device and triton version) atomically."""
+    path = Path(path) if path is not None else tuning_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"version": VERSION, **meta, "configs": {k: v.to_json() for k, v in sorted(configs.items())}}
+    parse(payload)  # never write what the reader would reject
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+    return path
+
+
+_lock = threading.Lock()
+_loaded: dict[str, TileConfig] | None = None
+
+
+def _load_once() -> dict[str, TileConfig]:
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                path = tuning_file()
+                configs: dict[str, TileConfig] = {}
+                if path.exists() or os.environ.get(ENV_VAR):
+                    try:
+                        configs = load(path)
+                    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+                        warnings.warn(f"lmcache_triton: ignoring kernel tuning file {path} ({e}); "
+                                      f"using the built-in tile heuristic", RuntimeWarning, stacklevel=3)
+                _loaded = configs
+    return _loaded
+
+
+def lookup(direction: str, hidden: int, element_size: int) -> TileConfig | None:
+    """The tuned config for this key, or None (then the launcher's heuristic applies)."""
+    return _load_once().get(config_key(direction, hidden, element_size))
+
+
+def reset() -> None:
+    """Forget the loaded file (tests, and `bench.kernels --tune` after writing a new one)."""
+    global _loaded
+    with _lock:
+        _loaded = None
+
+
+__all__ = ["ENV_VAR", "TileConfig", "config_key", "tuning_file", "parse", "load", "save", "lookup", "reset"]

@@ -1,0 +1,1 @@
+"""Lookup across processes: vLLM's scheduler asks the workers' engines how much of a prompt is cached."""
