@@ -15,7 +15,7 @@ layer order), `slot_mapping` (slot of token `offset + i` at index i) and `offset
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -110,41 +110,186 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
 
     `batched_from_gpu` / `batched_to_gpu` are generators: each `next()` moves one layer of every
     chunk of the request and returns, so the caller interleaves them with the model's layers.
+
+    On CUDA the copies run on a side stream of the connector, one event per layer: step i queues
+    layer i (if not yet queued) and layer i+1, then makes the *current* stream wait on layer i's
+    event, a device-side dependency, not a host sync. So the load of layer i+1 runs while the
+    forward of layer i computes, and anything the caller queues after step i (the next layer's
+    attention, or a current-stream synchronize before handing a stored chunk to storage) sees the
+    bytes of layer i. On CPU every step copies synchronously, as before.
     """
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.fmt = MemoryFormat.KV_MLA if self.use_mla else MemoryFormat.KV_T2D
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def get_shape(self, num_tokens: int) -> tuple[int, ...]:
         if self.use_mla:
             return (num_tokens, self.hidden_dim_size)
         return (num_tokens, 2, self.hidden_dim_size)
 
+    def _side_stream(self, kvcaches: Sequence[torch.Tensor]) -> torch.cuda.Stream | None:
+        dev = kvcaches[0].device
+        if dev.type != "cuda":
+            return None
+        stream = self._streams.get(dev)
+        if stream is None:
+            stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+        return stream
+
+    def _layered(self, num_layers: int, kvcaches: Sequence[torch.Tensor],
+                 move_layer: Callable[[int], None], tensors: Callable[[int], Sequence[torch.Tensor]]
+                 ) -> Generator[None, None, None]:
+        """Run move_layer(0..num_layers-1), one per step; on CUDA on the side stream, one ahead."""
+        stream = self._side_stream(kvcaches)
+        if stream is None:
+            for layer in range(num_layers):
+                move_layer(layer)
+                yield
+            return
+        current = torch.cuda.current_stream(stream.device)
+        events: list[torch.cuda.Event] = []
+
+        def queue(layer: int) -> None:
+            # Ordered after everything the caller queued so far (the forward that wrote this
+            # layer, a flush of the buffer slot this layer reuses).
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                move_layer(layer)
+                for t in tensors(layer):
+                    if t.is_cuda:  # the caching allocator must not hand it out before we are done
+                        t.record_stream(stream)
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+
+        for layer in range(num_layers):
+            while len(events) <= min(layer + 1, num_layers - 1):
+                queue(len(events))
+            current.wait_event(events[layer])
+            yield
+
     def batched_from_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
                          ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
         """memory_objs[layer][chunk] <- layer `layer` of the paged cache, one layer per step."""
-        for layer, objs in enumerate(memory_objs):
-            for obj, start, end in zip(objs, starts, ends, strict=True):
-                kvcaches, slots = _kwargs(kwargs, start, end)
-                paged_gather_layer(kvcaches[layer], slots, self.layout, out=obj.tensor)
-            yield
+        parts = [_kwargs(kwargs, start, end) for start, end in zip(starts, ends, strict=True)]
+        kvcaches = kwargs["kvcaches"]
+
+        def move(layer: int) -> None:
+            for obj, (caches, slots) in zip(memory_objs[layer], parts, strict=True):
+                paged_gather_layer(caches[layer], slots, self.layout, out=obj.tensor)
+
+        yield from self._layered(len(memory_objs), kvcaches, move,
+                                 lambda layer: [o.tensor for o in memory_objs[layer]])
 
     def batched_to_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
                        ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
         """memory_objs[layer][chunk] -> layer `layer` of the paged cache, one layer per step."""
-        for layer, objs in enumerate(memory_objs):
-            for obj, start, end in zip(objs, starts, ends, strict=True):
-                kvcaches, slots = _kwargs(kwargs, start, end)
-                paged_scatter_layer(obj.tensor, kvcaches[layer], slots, self.layout)
-            yield
+        parts = [_kwargs(kwargs, start, end) for start, end in zip(starts, ends, strict=True)]
+        kvcaches = kwargs["kvcaches"]
+
+        def move(layer: int) -> None:
+            for obj, (caches, slots) in zip(memory_objs[layer], parts, strict=True):
+                paged_scatter_layer(obj.tensor, caches[layer], slots, self.layout)
+
+        yield from self._layered(len(memory_objs), kvcaches, move,
+                                 lambda layer: [o.tensor for o in memory_objs[layer]])
+
+
+class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
+    """Layerwise loads into a contiguous device buffer that the blender reads and modifies.
+
+    `batched_to_gpu` step i puts layer i of the request's chunks, in token order, into a buffer
+    `[2, T, hidden]` (MLA `[1, T, C]`), T = ends[-1] - starts[0] (buffer row j is token
+    starts[0] + j, see `buffer_start`). `get_layer_buffer(layer)` returns it; `flush_layer_to_paged`
+    writes it into the paged cache with `paged_scatter_layer`. With the keyword `flush_to_paged=True`
+    (the default) each step also flushes, so `engine.retrieve` keeps its meaning (returned tokens
+    are in the paged cache); the blender passes `flush_to_paged=False` and flushes after blending.
+
+    The buffers are a ring of `num_buffers` layers (default 3: at step i layer i+1 is already being
+    loaded and layer i-1 may still be flushing), reused across requests and grown as needed, so a
+    layer's buffer is valid until step `layer + num_buffers - 1`. Store (`batched_from_gpu`) is the
+    layerwise connector's.
+    """
+
+    def __init__(self, *, num_buffers: int = 3, **kw: Any) -> None:
+        super().__init__(**kw)
+        if num_buffers < 3:
+            raise ValueError(f"num_buffers must be >= 3 (loads run one layer ahead), got {num_buffers}")
+        self.num_buffers = num_buffers
+        self._buffer: torch.Tensor | None = None      # [num_buffers, kv, capacity, hidden]
+        self._num_tokens = 0
+        self._resident: list[int | None] = [None] * num_buffers
+        self.buffer_start = 0
+
+    def _ensure_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffer
+        if buf is None or buf.shape[2] < num_tokens or buf.device != device:
+            cap = max(num_tokens, 2 * buf.shape[2] if buf is not None and buf.device == device else 0)
+            buf = self._buffer = torch.empty((self.num_buffers, self.kv_count, cap, self.hidden_dim_size),
+                                             dtype=self.dtype, device=device)
+        return buf
+
+    def get_layer_buffer(self, layer: int) -> torch.Tensor:
+        """Layer `layer` of the last load: `[2, T, hidden]` (MLA `[1, T, C]`), a view of the ring."""
+        slot = layer % self.num_buffers
+        if self._buffer is None or self._resident[slot] != layer:
+            raise ValueError(f"layer {layer} is not in the buffer (resident layers: "
+                             f"{sorted(x for x in self._resident if x is not None)})")
+        return self._buffer[slot, :, : self._num_tokens]
+
+    def flush_layer_to_paged(self, layer: int, slot_mapping: torch.Tensor,
+                             kvcaches: Sequence[torch.Tensor]) -> None:
+        """Buffer of `layer` -> paged cache at `slot_mapping` (one slot per buffer token, -1 skips)."""
+        buf = self.get_layer_buffer(layer)
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1 or len(slot_mapping) != buf.shape[1]:
+            raise ValueError(f"slot_mapping must be a 1-D tensor of {buf.shape[1]} slots (the buffer's tokens), "
+                             f"got {getattr(slot_mapping, 'shape', type(slot_mapping).__name__)}")
+        if not 0 <= layer < len(kvcaches):
+            raise ValueError(f"layer {layer} out of range for kvcaches of {len(kvcaches)} layers")
+        chunk = buf[0] if self.use_mla else buf.permute(1, 0, 2)  # KV_T2D view [T, 2, hidden]
+        paged_scatter_layer(chunk, kvcaches[layer], slot_mapping, self.layout)
+
+    def batched_to_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
+                       ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
+        """memory_objs[layer][chunk] -> the layer buffer (and, unless flush_to_paged=False, the
+        paged cache), one layer per step."""
+        flush = bool(kwargs.pop("flush_to_paged", True))
+        parts = [_kwargs(kwargs, start, end) for start, end in zip(starts, ends, strict=True)]
+        kvcaches = kwargs["kvcaches"]
+        first = starts[0] if len(starts) else 0
+        num_tokens = (ends[-1] - first) if len(ends) else 0
+        buf = self._ensure_buffer(num_tokens, kvcaches[0].device)
+        self._num_tokens, self.buffer_start = num_tokens, first
+        self._resident = [None] * self.num_buffers
+        all_slots = torch.cat([slots for _, slots in parts]) if parts else None
+
+        def move(layer: int) -> None:
+            slot = layer % self.num_buffers
+            dst = buf[slot]
+            for obj, start, end in zip(memory_objs[layer], starts, ends, strict=True):
+                src = obj.tensor.unsqueeze(0) if self.use_mla else obj.tensor.permute(1, 0, 2)
+                dst[:, start - first:end - first].copy_(src, non_blocking=True)
+            self._resident[slot] = layer
+            if flush and all_slots is not None and len(all_slots) == num_tokens:
+                self.flush_layer_to_paged(layer, all_slots, kvcaches)
+
+        yield from self._layered(len(memory_objs), kvcaches, move,
+                                 lambda layer: [buf, *(o.tensor for o in memory_objs[layer])])
 
 
 def create_gpu_connector(config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, layout: str,
                          device: torch.device | str | None = None) -> GPUConnectorInterface:
-    """The connector LMCache would pick for this config: layerwise when use_layerwise (or
-    enable_blending, which requires it), else all layers at once (MLA included)."""
-    cls = VLLMPagedMemLayerwiseGPUConnector if config.use_layerwise else VLLMPagedMemGPUConnectorV2
+    """The connector LMCache would pick for this config: the buffer connector when enable_blending
+    (which requires use_layerwise), layerwise when use_layerwise, else all layers at once."""
+    if config.enable_blending:
+        if not config.use_layerwise:
+            raise ValueError("enable_blending requires use_layerwise")
+        cls: type[GPUConnectorInterface] = VLLMBufferLayerwiseGPUConnector
+    elif config.use_layerwise:
+        cls = VLLMPagedMemLayerwiseGPUConnector
+    else:
+        cls = VLLMPagedMemGPUConnectorV2
     return cls(hidden_dim_size=metadata.hidden_dim_size, num_layers=metadata.num_layers,
                chunk_size=config.chunk_size, dtype=metadata.kv_dtype, layout=layout,
                use_mla=metadata.use_mla, device=device)

@@ -78,10 +78,12 @@ def _blocks_view(t: torch.Tensor, n: int, g) -> torch.Tensor:
 
 # Whole-block copies: one index_select of blocks instead of one per token, then the per-token path
 # for what is left (partial blocks, padding, unaligned runs). Measured on the 2-core CPU host,
-# Llama-3-8B shape (32 layers, 8 heads x 128, block 16, bf16), 256 tokens, all layers:
-# gather vllm_cpu 3.9 -> 16.6 GB/s (4.3x), vllm_packed 4.1 -> 14.5 GB/s (3.6x);
-# scatter vllm_packed (LBNHC) 5.9 -> 10.1 GB/s (1.7x). Scatter into vllm_cpu, whose blocks hold
-# heads outside tokens, stays per token: index_copy_ of blocks is slower there (5.1 vs 6.1 GB/s).
+# Llama-3-8B shape (32 layers, 8 heads x 128, block 16, bf16), 256 tokens, all layers, GB/s of the
+# chunk, old -> new: gather vllm_cpu 3.6-3.9 -> 13.7-15.0 (3.8x), vllm_packed 4.1 -> 12.9-15.4
+# (3.4x), flash_attn 5.2 -> 21 (4x); scatter vllm_packed 6.2 -> 7.7-8.3 (1.3x), flash_attn 7.4 ->
+# 9.2-10. `python -m bench.engine` (vllm_cpu, 8192 tokens): store 3.8 -> 11.1 GB/s. Scatter into a
+# layout whose blocks hold heads outside tokens (vllm_cpu, packed *HN*) stays per token: there an
+# index_copy_ of blocks measured slower (5.1 vs 6.1 GB/s).
 def gather_into_ref(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:
     g = layers.geometry
     gids, blocks, rest = _whole_blocks(slots, g.block_size)
@@ -103,6 +105,7 @@ def gather_into_ref(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> 
 def scatter_from_ref(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
     g = layers.geometry
     k0 = layers.k[0]
+    # block fast path only where a block is laid out token-major (see the measurements above)
     tokens_outer = k0.stride(1) >= k0.stride(2) or g.num_kv_heads == 1
     if tokens_outer:
         gids, blocks, rest = _whole_blocks(slots, g.block_size)

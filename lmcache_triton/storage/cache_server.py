@@ -106,8 +106,14 @@ class DiskMirror:
             f.write(value)
         os.replace(tmp, path)  # readers (and a restart) see the old file or the new one, never half
 
-    def remove(self, key: bytes) -> None:
-        self._path(key).unlink(missing_ok=True)
+    def remove(self, key: bytes) -> bool:
+        """False when the file could not be removed (it then reappears after a restart)."""
+        try:
+            self._path(key).unlink(missing_ok=True)
+            return True
+        except OSError as e:
+            logger.warning("cache server: cannot remove persisted entry: %s", e)
+            return False
 
     def touch(self, key: bytes) -> None:
         # mtime is the LRU order a restart reloads in
@@ -200,15 +206,15 @@ class LRUStore:
         if value is None:
             return False
         self.used_bytes -= len(key) + value.nbytes
-        if self._disk is not None:
-            self._disk.remove(key)
+        if self._disk is not None and not self._disk.remove(key):
+            self._stats.disk_errors += 1
         return True
 
     def _evict_oldest(self) -> None:
         key, value = self._data.popitem(last=False)
         self.used_bytes -= len(key) + value.nbytes
-        if self._disk is not None:
-            self._disk.remove(key)
+        if self._disk is not None and not self._disk.remove(key):
+            self._stats.disk_errors += 1
         self._stats.evictions += 1
 
 

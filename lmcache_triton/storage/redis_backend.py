@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.storage.remote import RemoteChunkBackend
+from lmcache_triton.storage.remote import CONNECT_TIMEOUT_S, RemoteChunkBackend
 
 KEY_PREFIX = "lmct:"
 _SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
@@ -50,7 +50,7 @@ class RedisBackend(RemoteChunkBackend):
             kwargs["password"] = auth_token
         self.prefix = key_prefix
         self._redis = redis.Redis.from_url(
-            redis_url(url), socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            redis_url(url), socket_timeout=timeout_s, socket_connect_timeout=min(timeout_s, CONNECT_TIMEOUT_S),
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, **kwargs)
 
     def _k(self, key: str) -> str:

@@ -2,7 +2,8 @@
 
 A remote that is down, slow, or returns garbage costs misses and failed puts, never an exception
 or a hang in vLLM:
-- every call is bounded by `timeout_s` (config `blocking_timeout_secs`);
+- every call is bounded by `timeout_s` (config `blocking_timeout_secs`), and waiting for a
+  connection by min(timeout_s, 1 s), so a remote that is not there costs at most 1 s, not 10;
 - after an I/O failure the backend stops trying for a short, growing back-off (0.1 s doubling to
   2 s), so a dead remote costs one timeout, then instant misses, until it answers again;
 - what the remote returns is checked (serde checksums, key, and the engine's shape when metadata is
@@ -38,6 +39,7 @@ T = TypeVar("T")
 
 _BACKOFF_MIN_S = 0.1
 _BACKOFF_MAX_S = 2.0
+CONNECT_TIMEOUT_S = 1.0  # cap on waiting for a connection (never more than the call's timeout)
 
 
 class RemoteError(Exception):
@@ -242,9 +244,14 @@ class CacheServerClient:
     """
 
     def __init__(self, host: str, port: int, *, timeout_s: float = 10.0, auth_token: str | None = None,
-                 limits: Limits = Limits(), context: zmq.Context | None = None) -> None:
+                 connect_timeout_s: float | None = None, limits: Limits = Limits(),
+                 context: zmq.Context | None = None) -> None:
         self.endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
         self.timeout_s = timeout_s
+        # How long a request waits for a connection: a TCP + ZMTP handshake takes milliseconds, so
+        # with the 10 s default timeout a server that is simply not there still costs at most 1 s.
+        self.connect_timeout_s = (min(timeout_s, CONNECT_TIMEOUT_S) if connect_timeout_s is None
+                                  else connect_timeout_s)
         self.limits = limits
         self._auth = wire.auth_digest(auth_token)
         self._ctx = context or zmq.Context.instance()
@@ -252,6 +259,12 @@ class CacheServerClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
+
+    def connect(self) -> None:
+        """Starts connecting now (ZMQ connects in the background; this never blocks)."""
+        with self._lock:
+            if not self._closed:
+                self._socket()
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -289,9 +302,10 @@ class CacheServerClient:
         def remaining_ms() -> int:
             return max(0, int((deadline - time.monotonic()) * 1000))
 
-        if not sock.poll(remaining_ms(), zmq.POLLOUT):
+        connect_ms = min(remaining_ms(), int(self.connect_timeout_s * 1000))
+        if not sock.poll(connect_ms, zmq.POLLOUT):
             self._reset()
-            raise RemoteUnavailable(f"{self.endpoint}: not connected within the timeout")
+            raise RemoteUnavailable(f"{self.endpoint}: not connected within {connect_ms} ms")
         try:
             sock.send_multipart(msg, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
@@ -369,6 +383,7 @@ class CacheServerBackend(RemoteChunkBackend):
                  compression: str = "naive", timeout_s: float = 10.0, auth_token: str | None = None) -> None:
         super().__init__(url=f"lm://{host}:{port}", metadata=metadata, compression=compression, timeout_s=timeout_s)
         self.client = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token)
+        self.client.connect()  # in the background: by the first lookup the connection is usually up
 
     def _put_bytes(self, key: str, data: bytes) -> None:
         self.client.put(key.encode(), data)

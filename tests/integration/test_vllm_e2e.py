@@ -1,0 +1,86 @@
+"""vLLM with LMCacheTritonConnectorV1: loads instead of recomputes, with identical outputs.
+
+Greedy sampling, vLLM's own prefix cache off, a tiny random Llama (2 layers, head_dim 32) with
+vLLM's CPU block size 128 and lmcache chunk 256. `cached` is vLLM's RequestOutput.num_cached_tokens:
+with the prefix cache off, every cached token was loaded through the connector.
+"""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lmcache_triton.models import random_prompt
+
+pytestmark = pytest.mark.slow
+
+P = random_prompt(600, seed=1)            # 2 whole chunks (512 tokens) + a partial one
+Q = P[:300] + random_prompt(300, seed=2)  # shares one whole chunk (256 tokens) with P
+
+
+@pytest.fixture(scope="module")
+def baseline(run_vllm, tiny_model, tmp_path_factory):
+    """Outputs of vLLM without the connector."""
+    r = run_vllm(tmp_path_factory.mktemp("baseline"),
+                 {"model": tiny_model, "connector": None, "steps": [{"prompt": P}, {"prompt": Q}]})
+    return {"P": r["steps"][0]["tokens"], "Q": r["steps"][1]["tokens"]}
+
+
+def _conn(**extra):
+    return {f"lmcache.{k}": v for k, v in ({"max_local_cpu_size": 0.25} | extra).items()}
+
+
+def test_second_request_loads_and_outputs_match(run_vllm, tiny_model, baseline, tmp_path):
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(), "steps": [
+        {"prompt": P}, {"prompt": P}, {"prompt": Q}, {"prompt": P, "cache_salt": "tenant-b"}]})
+    cold, warm, prefix, other_ns = r["steps"]
+    assert cold["cached"] == 0 and cold["tokens"] == baseline["P"]
+    assert warm["cached"] == 512, "the two whole chunks of P are loaded"
+    assert warm["tokens"] == baseline["P"]
+    assert prefix["cached"] == 256 and prefix["tokens"] == baseline["Q"], "only the shared chunk loads"
+    assert other_ns["cached"] == 0 and other_ns["tokens"] == baseline["P"], "another namespace loads nothing"
+    assert r["metrics"].get("vllm:external_prefix_cache_hits") == 512 + 256
+
+
+def test_layerwise(run_vllm, tiny_model, baseline, tmp_path):
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(use_layerwise=True),
+                            "steps": [{"prompt": P}, {"prompt": P}]})
+    assert r["steps"][1]["cached"] == 512
+    assert [s["tokens"] for s in r["steps"]] == [baseline["P"]] * 2
+
+
+def test_disk_tier_survives_restart_and_corruption_is_a_miss(run_vllm, tiny_model, baseline, tmp_path):
+    disk = tmp_path / "kv"
+    conn = _conn(local_disk=str(disk), max_local_disk_size=0.5)
+    first = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [{"prompt": P}]})
+    assert first["steps"][0]["tokens"] == baseline["P"]
+    second = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [{"prompt": P}]})
+    assert second["steps"][0]["cached"] == 512 and second["steps"][0]["tokens"] == baseline["P"]
+    third = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [
+        {"corrupt_dir": str(disk)}, {"prompt": P}, {"prompt": P}, {"prompt": P}]})
+    corrupted, *runs = third["steps"]
+    assert corrupted["corrupted"] == 2
+    assert all(r["tokens"] == baseline["P"] for r in runs), "corrupt chunks are never used"
+    # A chunk is read (and checked) only when the prefix before it is hit: the first request finds
+    # chunk 0 corrupt (a miss; it is deleted and stored afresh), the second finds chunk 1 corrupt.
+    assert [r["cached"] for r in runs] == [0, 256, 512]
+
+
+def test_two_vllm_processes_share_through_the_cache_server(run_vllm, tiny_model, baseline, tmp_path, free_port):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lmcache_triton.storage.cache_server", "--host", "127.0.0.1",
+                               "--port", str(port), "--max-size-gb", "0.5"])
+    try:
+        conn = _conn(remote_url=f"lm://127.0.0.1:{port}", blocking_timeout_secs=2)
+        writer = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [{"prompt": P}]})
+        assert writer["steps"][0]["tokens"] == baseline["P"]
+        reader = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [
+            {"prompt": P}, {"kill_pid": server.pid}, {"prompt": Q}, {"prompt": Q}]})
+        hit, _, q_after_kill, q_again = reader["steps"]
+        assert hit["cached"] == 512 and hit["tokens"] == baseline["P"], "a second vLLM finds the first one's KV"
+        # the server is gone: Q's shared chunk is still in this process's CPU tier, the rest is recomputed
+        assert q_after_kill["tokens"] == baseline["Q"] and q_again["tokens"] == baseline["Q"]
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()

@@ -1,0 +1,137 @@
+"""Each GPU connector x each vLLM layout, through the real engine: exact bytes, nothing else touched.
+
+The oracle is the torch reference (`*_ref`); the connectors move bytes with the Triton kernels
+(through the interpreter on a CPU host, see the root conftest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
+from lmcache_triton.gpu_connector import (VLLMBufferLayerwiseGPUConnector, VLLMPagedMemGPUConnectorV2,
+                                          VLLMPagedMemLayerwiseGPUConnector)
+from lmcache_triton.kernels import paged_gather_layer_ref, paged_gather_ref
+from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+
+CHUNK, LAYERS, HEADS, HEAD, MLA_C = 16, 2, 2, 16, 40
+BLOCK, BLOCKS = 8, 12
+NUM_TOKENS = 2 * CHUNK + 5          # a partial last chunk (kept: save_unfull_chunk)
+SENTINEL = -7.0
+
+LAYOUTS = [pytest.param(layout, order, id=f"{layout}-{order}" if layout == "vllm_packed" else layout)
+           for layout, order in (("vllm_packed", "LBNHC"), ("vllm_packed", "BHLNC"), ("vllm_cpu", "LBNHC"),
+                                 ("flash_attn", "LBNHC"), ("flashinfer", "LBNHC"), ("mla", "LBNHC"))]
+CONNECTORS = {
+    "v2": (VLLMPagedMemGPUConnectorV2, dict()),
+    "layerwise": (VLLMPagedMemLayerwiseGPUConnector, dict(use_layerwise=True)),
+    "buffer": (VLLMBufferLayerwiseGPUConnector, dict(use_layerwise=True, enable_blending=True)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _destroy_engines():
+    yield
+    for name in list(LMCacheEngineBuilder._engines):
+        LMCacheEngineBuilder.destroy(name)
+
+
+def setup(kind: str, layout: str, order: str):
+    mla = layout == "mla"
+    heads, head = (1, MLA_C) if mla else (HEADS, HEAD)
+    cls, flags = CONNECTORS[kind]
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.02, save_unfull_chunk=True,
+                                               **flags)
+    metadata = LMCacheEngineMetadata(model_name="test/conn", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(LAYERS, 1 if mla else 2, CHUNK, heads, head), use_mla=mla)
+    connector = create_gpu_connector(config, metadata, layout)
+    assert type(connector) is cls
+    engine = LMCacheEngineBuilder.get_or_create(f"conn-{kind}-{layout}-{order}", config, metadata, connector)
+    geo = dict(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=heads, head_size=head,
+               dtype=torch.bfloat16, order=order)
+    return engine, connector, (lambda fill=None, g=None: make_kv_caches(layout, fill=fill, generator=g, **geo))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def check_paged(layout, src, src_slots, dst, dst_slots, caches):
+    """dst holds src's tokens at dst_slots; every other slot still holds the sentinel."""
+    assert torch.equal(bits(paged_gather_ref(dst, dst_slots, layout)), bits(paged_gather_ref(src, src_slots, layout)))
+    untouched = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
+    untouched[dst_slots] = False
+    rest = untouched.nonzero().squeeze(1)
+    assert torch.equal(bits(paged_gather_ref(dst, rest, layout)),
+                       bits(paged_gather_ref(caches(fill=SENTINEL), rest, layout)))
+
+
+@pytest.mark.parametrize("kind", list(CONNECTORS))
+@pytest.mark.parametrize("layout,order", LAYOUTS)
+def test_round_trip(kind, layout, order):
+    engine, connector, caches = setup(kind, layout, order)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (NUM_TOKENS,), generator=g)
+    src, dst = caches(g=g), caches(fill=SENTINEL)
+    src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
+    dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
+    assert engine.store(tokens, kvcaches=src, slot_mapping=src_slots) == NUM_TOKENS
+    if kind == "v2":
+        ret = engine.retrieve(tokens, kvcaches=dst, slot_mapping=dst_slots)
+    else:
+        steps = list(engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots))
+        assert steps[:-1] == [None] * LAYERS
+        ret = steps[-1]
+    assert bool(ret.all())
+    check_paged(layout, src, src_slots, dst, dst_slots, caches)
+
+
+@pytest.mark.parametrize("layout,order", LAYOUTS)
+def test_buffer_holds_the_layer_and_flushes_it(layout, order):
+    engine, connector, caches = setup("buffer", layout, order)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 1000, (NUM_TOKENS,), generator=g)
+    src, dst = caches(g=g), caches(fill=SENTINEL)
+    src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
+    dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
+    engine.store(tokens, kvcaches=src, slot_mapping=src_slots)
+    gen = engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots, flush_to_paged=False)
+    for layer in range(LAYERS):
+        assert next(gen) is None
+        buf = connector.get_layer_buffer(layer)
+        want = paged_gather_layer_ref(src[layer], src_slots, layout)        # [T, 2, H] / MLA [T, C]
+        want = want.unsqueeze(0) if layout == "mla" else want.permute(1, 0, 2)
+        assert buf.shape == want.shape and connector.buffer_start == 0
+        assert torch.equal(bits(buf), bits(want))
+        # not flushed yet: the paged cache is all sentinel
+        assert bool((paged_gather_layer_ref(dst[layer], torch.arange(BLOCKS * BLOCK), layout) == SENTINEL).all())
+        connector.flush_layer_to_paged(layer, dst_slots, dst)
+    assert bool(next(gen).all())
+    check_paged(layout, src, src_slots, dst, dst_slots, caches)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        connector.flush_layer_to_paged(LAYERS - 1, dst_slots[:-1], dst)
+
+
+def test_buffer_ring_and_growth():
+    _, connector, _ = setup("buffer", "vllm_cpu", "LBNHC")
+    with pytest.raises(ValueError, match="not in the buffer"):
+        connector.get_layer_buffer(0)
+    assert isinstance(connector, VLLMPagedMemLayerwiseGPUConnector)  # the engine's layerwise test
+    with pytest.raises(ValueError, match="num_buffers"):
+        VLLMBufferLayerwiseGPUConnector(hidden_dim_size=32, num_layers=2, chunk_size=16, dtype=torch.bfloat16,
+                                        layout="vllm_cpu", num_buffers=2)
+    small = connector._ensure_buffer(8, torch.device("cpu"))
+    assert connector._ensure_buffer(8, torch.device("cpu")) is small       # reused
+    assert connector._ensure_buffer(40, torch.device("cpu")).shape[2] >= 40  # grown
+
+
+def test_blending_requires_layerwise():
+    with pytest.raises(ValueError, match="use_layerwise"):
+        LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, enable_blending=True, use_layerwise=False)
+
+
+def test_kernels_run_in_these_tests():
+    """Without CUDA the root conftest turns on Triton's interpreter: the connectors ran the kernels."""
+    from lmcache_triton.kernels import paged_copy
+    assert paged_copy._use_triton(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
