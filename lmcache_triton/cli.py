@@ -36,24 +36,36 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from lmcache_triton.demo import run_engine_demo
+    if args.engine_only:
+        from lmcache_triton.demo import run_engine_demo
 
-    return run_engine_demo(tokens=args.tokens, layers=args.layers, heads=args.heads, head_size=args.head_size,
-                           block_size=args.block_size, dtype=args.dtype)
+        return run_engine_demo(tokens=args.tokens or 8192, layers=args.layers, heads=args.heads,
+                               head_size=args.head_size, block_size=args.block_size, dtype=args.dtype)
+    from lmcache_triton.vllm_demo import run_vllm_demo
+
+    return run_vllm_demo(model=args.model, tokens=args.tokens or 4096, disk=args.disk)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-triton", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and the config as resolved").set_defaults(func=cmd_info)
-    d = sub.add_parser("demo", help="store a long prompt's KV and load it back into a fresh paged cache")
-    d.add_argument("--tokens", type=int, default=8192)
-    d.add_argument("--layers", type=int, default=32)
-    d.add_argument("--heads", type=int, default=8, help="KV heads")
-    d.add_argument("--head-size", type=int, default=128)
-    d.add_argument("--block-size", type=int, default=16)
+    d = sub.add_parser("demo", help="vLLM with the connector: a long prompt twice, cold vs warm TTFT")
+    d.add_argument("--model", help="a local model folder (default: a random-weight Llama built locally)")
+    d.add_argument("--tokens", type=int, help="prompt length (default 4096; 8192 with --engine-only)")
+    d.add_argument("--disk", help="also keep chunks in this folder (the local disk tier)")
+    d.add_argument("--engine-only", action="store_true",
+                   help="no vLLM: store a prompt's KV from a paged cache and load it into a fresh one")
+    d.add_argument("--layers", type=int, default=32, help="--engine-only: layers")
+    d.add_argument("--heads", type=int, default=8, help="--engine-only: KV heads")
+    d.add_argument("--head-size", type=int, default=128, help="--engine-only: head size")
+    d.add_argument("--block-size", type=int, default=16, help="--engine-only: block size")
     d.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     d.set_defaults(func=cmd_demo)
+    from lmcache_triton.storage.cache_server import add_server_parser, add_stats_parser
+
+    add_server_parser(sub)
+    add_stats_parser(sub)
     return p
 
 

@@ -112,7 +112,7 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
     chunk of the request and returns, so the caller interleaves them with the model's layers.
 
     On CUDA the copies run on a side stream of the connector, one event per layer: step i queues
-    layer i (if not yet queued) and layer i+1, then makes the *current* stream wait on layer i's
+    layer i (if not yet queued) and, when loading, layer i+1, then makes the *current* stream wait on layer i's
     event, a device-side dependency, not a host sync. So the load of layer i+1 runs while the
     forward of layer i computes, and anything the caller queues after step i (the next layer's
     attention, or a current-stream synchronize before handing a stored chunk to storage) sees the
@@ -139,9 +139,10 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
         return stream
 
     def _layered(self, num_layers: int, kvcaches: Sequence[torch.Tensor],
-                 move_layer: Callable[[int], None], tensors: Callable[[int], Sequence[torch.Tensor]]
-                 ) -> Generator[None, None, None]:
-        """Run move_layer(0..num_layers-1), one per step; on CUDA on the side stream, one ahead."""
+                 move_layer: Callable[[int], None], tensors: Callable[[int], Sequence[torch.Tensor]],
+                 ahead: int) -> Generator[None, None, None]:
+        """Run move_layer(0..num_layers-1), one per step; on CUDA on the side stream, `ahead`
+        layers ahead (1 for loads; 0 for stores, whose layer i+1 is not computed yet at step i)."""
         stream = self._side_stream(kvcaches)
         if stream is None:
             for layer in range(num_layers):
@@ -164,7 +165,7 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
                 events[-1].record(stream)
 
         for layer in range(num_layers):
-            while len(events) <= min(layer + 1, num_layers - 1):
+            while len(events) <= min(layer + ahead, num_layers - 1):
                 queue(len(events))
             current.wait_event(events[layer])
             yield
@@ -180,7 +181,7 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
                 paged_gather_layer(caches[layer], slots, self.layout, out=obj.tensor)
 
         yield from self._layered(len(memory_objs), kvcaches, move,
-                                 lambda layer: [o.tensor for o in memory_objs[layer]])
+                                 lambda layer: [o.tensor for o in memory_objs[layer]], ahead=0)
 
     def batched_to_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
                        ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
@@ -193,7 +194,7 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
                 paged_scatter_layer(obj.tensor, caches[layer], slots, self.layout)
 
         yield from self._layered(len(memory_objs), kvcaches, move,
-                                 lambda layer: [o.tensor for o in memory_objs[layer]])
+                                 lambda layer: [o.tensor for o in memory_objs[layer]], ahead=1)
 
 
 class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
@@ -275,7 +276,7 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
                 self.flush_layer_to_paged(layer, all_slots, kvcaches)
 
         yield from self._layered(len(memory_objs), kvcaches, move,
-                                 lambda layer: [buf, *(o.tensor for o in memory_objs[layer])])
+                                 lambda layer: [buf, *(o.tensor for o in memory_objs[layer])], ahead=1)
 
 
 def create_gpu_connector(config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, layout: str,

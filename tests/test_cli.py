@@ -21,7 +21,7 @@ def test_info_prints_versions_and_resolved_config():
 
 
 def test_demo_round_trips_exact_bytes():
-    r = _cli("demo", "--tokens", "700", "--layers", "2", "--heads", "2", "--head-size", "64")
+    r = _cli("demo", "--engine-only", "--tokens", "700", "--layers", "2", "--heads", "2", "--head-size", "64")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bytes identical: True" in r.stdout and "512 of 700 tokens hit" in r.stdout
 

@@ -13,3 +13,15 @@ __all__ = [
     "paged_gather", "paged_scatter", "paged_gather_layer", "paged_scatter_layer",
     "paged_gather_ref", "paged_scatter_ref", "paged_gather_layer_ref", "paged_scatter_layer_ref",
 ]
+
+# CacheBlend: RoPE re-rotation of reused K, K deviation, recompute selection, selective row writes.
+from .blend import (kv_deviation, kv_deviation_ref, num_recompute_tokens, select_recompute_tokens,
+                    select_recompute_tokens_ref, selective_write, selective_write_ref)
+from .rope import rope_rerotate, rope_rerotate_ref
+
+__all__ += [
+    "rope_rerotate", "rope_rerotate_ref",
+    "kv_deviation", "kv_deviation_ref", "num_recompute_tokens",
+    "select_recompute_tokens", "select_recompute_tokens_ref",
+    "selective_write", "selective_write_ref",
+]

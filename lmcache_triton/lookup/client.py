@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -91,8 +92,12 @@ class LookupClient:
             if not outstanding:
                 return
             timeout = max(0.0, min(p.deadline for p in outstanding) - time.monotonic()) if wait else 0
-            events = dict(poller.poll(int(timeout * 1000)))
+            # rounded up: poll(499) for 0.4999 s would wake just before the deadline, and a
+            # synchronous lookup would then return None ("not yet") instead of the timeout's 0
+            events = dict(poller.poll(math.ceil(timeout * 1000)))
             if not events:
+                if wait and time.monotonic() < min(p.deadline for p in outstanding):
+                    continue
                 return
             for rank, sock in enumerate(self._socks):
                 while sock in events and sock.poll(0):

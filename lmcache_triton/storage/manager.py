@@ -101,6 +101,8 @@ class StorageManager:
                 obj = self.get(key)  # promoted and pinned; stays pinned for the caller's load
                 if obj is None:
                     break
+                if not self.cpu.holds(key, obj):  # local_cpu off: no tier keeps it, `unpin` could never
+                    self.release(key, obj)        # find it; free it now, the load reads it again
             n += 1
         return n
 
@@ -138,8 +140,9 @@ class StorageManager:
         if self.config.local_cpu:
             if not self.cpu.put(key, obj):
                 return  # already stored; the duplicate was freed
-        for tier in self.tiers:
-            obj.pin()
+        for _ in self.tiers:  # every pin before any write starts: a write that finishes first
+            obj.pin()         # would otherwise free (local_cpu off) or expose to eviction an obj
+        for tier in self.tiers:  # that the next tier's write has yet to read
             future = self._writer.submit(self._write, tier, key, obj)
             with self._pending_lock:
                 self._pending.add(future)

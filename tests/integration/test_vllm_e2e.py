@@ -84,3 +84,24 @@ def test_two_vllm_processes_share_through_the_cache_server(run_vllm, tiny_model,
     finally:
         server.send_signal(signal.SIGKILL)
         server.wait()
+
+
+def test_chunked_prefill_and_async_lookup(run_vllm, tiny_model, baseline, tmp_path):
+    """The prompt is prefilled 256 tokens per step; each completed chunk is saved as it lands.
+    With enable_async_loading the scheduler gets no answer (None) until the lookup is done."""
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(enable_async_loading=True),
+                            "llm_args": {"max_num_batched_tokens": 256},
+                            "steps": [{"prompt": P}, {"prompt": P}]})
+    assert [s["cached"] for s in r["steps"]] == [0, 512]
+    assert [s["tokens"] for s in r["steps"]] == [baseline["P"]] * 2
+
+
+def test_producer_saves_consumer_loads(run_vllm, tiny_model, baseline, tmp_path):
+    conn = _conn(local_disk=str(tmp_path / "kv"), max_local_disk_size=0.5)
+    producer = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "kv_role": "kv_producer",
+                                   "steps": [{"prompt": P}, {"prompt": P}]})
+    assert [s["cached"] for s in producer["steps"]] == [0, 0], "a producer never loads"
+    consumer = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "kv_role": "kv_consumer",
+                                   "steps": [{"prompt": P}, {"prompt": Q}, {"prompt": Q}]})
+    assert [s["cached"] for s in consumer["steps"]] == [512, 256, 256], "a consumer loads but never saves"
+    assert [s["tokens"] for s in consumer["steps"]] == [baseline["P"], baseline["Q"], baseline["Q"]]

@@ -2,7 +2,7 @@
 
     python vllm_runner.py SPEC.json OUT.json
 
-SPEC: {"model": path, "connector": null | {extra config dict}, "layerwise": bool,
+SPEC: {"model": path, "connector": null | {extra config dict}, "kv_role": str, "llm_args": {...},
        "steps": [{"prompt": [ids], "cache_salt": str | null, "max_tokens": n}
                  | {"kill_pid": pid} | {"corrupt_dir": path}]}
 Each generate step records the output token ids, vLLM's num_cached_tokens and the time.
@@ -42,7 +42,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, disable_log_stats=False,
-              seed=0, **kw)
+              seed=0, **spec.get("llm_args", {}), **kw)
     results = {"start_s": time.perf_counter() - t0, "steps": []}
     for step in spec["steps"]:
         if "kill_pid" in step:

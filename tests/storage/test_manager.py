@@ -1,0 +1,162 @@
+"""StorageManager over real tiers: CPU pool -> LocalDiskBackend (tmp_path) -> cache server subprocess."""
+
+import time
+
+import pytest
+import torch
+
+from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.storage.manager import StorageManager
+
+CPU_GB = 4 / 1024  # 4 MiB: room for hundreds of the 16 KiB chunks of `make_chunk`
+DISK_GB = 4 / 1024
+
+
+def _manager(kv_metadata, *, disk=None, remote=None, local_cpu=True, timeout=10.0) -> StorageManager:
+    kwargs = dict(chunk_size=16, local_cpu=local_cpu, max_local_cpu_size=CPU_GB, blocking_timeout_secs=timeout)
+    if disk is not None:
+        kwargs.update(local_disk=str(disk), max_local_disk_size=DISK_GB)
+    if remote is not None:
+        kwargs.update(remote_url=remote)
+    return StorageManager(LMCacheEngineConfig.from_defaults(**kwargs), kv_metadata, pin_memory=False)
+
+
+@pytest.fixture
+def managers():
+    """Closes every manager a test makes, even when it fails."""
+    made = []
+    yield made
+    for m in made:
+        m.close()
+
+
+def _put(manager, make_chunk, seed):
+    """Puts chunk `seed` into `manager`; returns its key and a copy of its bytes."""
+    obj, key = make_chunk(manager, seed)
+    expected = obj.tensor.clone()
+    manager.put(key, obj)
+    return key, expected
+
+
+def _disk(manager):
+    return manager.tiers[0]
+
+
+def test_write_through_to_disk_and_found_by_a_new_manager(kv_metadata, make_chunk, managers, tmp_path):
+    first = _manager(kv_metadata, disk=tmp_path)
+    managers.append(first)
+    keys, expected = zip(*[_put(first, make_chunk, seed) for seed in range(3)])
+    assert first.batched_contains(list(keys)) == 3, "a put is visible in the CPU tier at once"
+    first.flush(timeout=10)
+    assert all(_disk(first).contains(k) for k in keys), "flush() waits for the write-through to disk"
+    assert first.cpu.num_pinned == 0, "finished writes leave nothing pinned"
+
+    second = _manager(kv_metadata, disk=tmp_path)
+    managers.append(second)
+    assert len(second.cpu) == 0
+    assert second.batched_contains(list(keys)) == 3
+    assert second.contains_each(list(keys)) == [True] * 3
+    assert len(second.cpu) == 0, "contains without pin promotes nothing"
+    obj = second.get(keys[1])
+    assert obj is not None and torch.equal(obj.tensor.view(torch.uint8), expected[1].view(torch.uint8))
+    assert second.cpu.holds(keys[1], obj), "a disk hit is promoted into the CPU tier"
+    second.release(keys[1], obj)
+    assert second.cpu.contains(keys[1]) and not obj.is_pinned, "release keeps the promoted chunk resident"
+    again = second.get(keys[1])
+    assert again is obj, "the second get is served from the CPU tier"
+    second.release(keys[1], again)
+    assert second.cpu.num_pinned == 0
+
+
+def test_prefix_count_stops_at_the_first_missing_chunk(kv_metadata, make_chunk, managers, tmp_path):
+    m = _manager(kv_metadata, disk=tmp_path)
+    managers.append(m)
+    keys = [_put(m, make_chunk, seed)[0] for seed in range(4)]
+    m.flush(timeout=10)
+    m.cpu.remove(keys[1])  # only on disk now
+    m.remove(keys[2])      # nowhere
+    assert m.batched_contains(keys) == 2
+    assert m.contains_each(keys) == [True, True, False, True]
+
+
+def test_without_local_cpu_the_pool_only_stages(kv_metadata, make_chunk, managers, tmp_path):
+    m = _manager(kv_metadata, disk=tmp_path, local_cpu=False)
+    managers.append(m)
+    keys, expected = zip(*[_put(m, make_chunk, seed) for seed in range(3)])
+    m.flush(timeout=10)
+    assert m.cpu.used_bytes == 0 and len(m.cpu) == 0, "written chunks leave the CPU pool"
+    assert m.batched_contains(list(keys)) == 3
+    obj = m.get(keys[2])
+    assert obj is not None and torch.equal(obj.tensor.view(torch.uint8), expected[2].view(torch.uint8))
+    assert m.cpu.used_bytes > 0 and len(m.cpu) == 0, "staged for the caller, kept in no tier"
+    m.release(keys[2], obj)
+    assert m.cpu.used_bytes == 0, "release frees a chunk that no tier keeps"
+
+
+def test_pinned_contains_promotes_disk_chunks_until_unpin(kv_metadata, make_chunk, managers, tmp_path):
+    first = _manager(kv_metadata, disk=tmp_path)
+    managers.append(first)
+    keys = [_put(first, make_chunk, seed)[0] for seed in range(3)]
+    first.flush(timeout=10)
+    second = _manager(kv_metadata, disk=tmp_path)
+    managers.append(second)
+    assert second.batched_contains(keys, pin=True) == 3
+    assert len(second.cpu) == 3 and second.cpu.num_pinned == 3, "promoted and pinned for the coming load"
+    assert second.clear() == 0, "pinned chunks cannot be dropped"
+    for k in keys:
+        second.unpin(k)
+    assert second.cpu.num_pinned == 0
+    assert second.clear() == 3
+
+
+def test_close_drains_pending_writes_and_is_idempotent(kv_metadata, make_chunk, tmp_path):
+    m = _manager(kv_metadata, disk=tmp_path)
+    keys = [_put(m, make_chunk, seed)[0] for seed in range(8)]
+    m.close()  # no flush before: close itself must wait for the writes
+    m.close()
+    again = _manager(kv_metadata, disk=tmp_path)
+    try:
+        assert again.contains_each(keys) == [True] * 8
+    finally:
+        again.close()
+        again.close()
+
+
+def test_remote_write_through_and_a_dead_server(kv_metadata, make_chunk, managers, cache_server):
+    timeout = 1.0
+    first = _manager(kv_metadata, remote=cache_server.url, timeout=timeout)
+    managers.append(first)
+    key, expected = _put(first, make_chunk, 1)
+    first.flush(timeout=10)
+    assert first.tiers[0].contains(key), "written through to the cache server"
+
+    second = _manager(kv_metadata, remote=cache_server.url, timeout=timeout)
+    managers.append(second)
+    assert second.batched_contains([key]) == 1
+    obj = second.get(key)
+    assert obj is not None and torch.equal(obj.tensor.view(torch.uint8), expected.view(torch.uint8))
+    second.release(key, obj)
+    second.cpu.remove(key)  # the next questions must go to the (dead) remote
+
+    cache_server.kill()
+    for ask in (lambda: second.batched_contains([key]), lambda: second.get(key)):
+        t0 = time.monotonic()
+        assert not ask(), "a dead remote is a miss"
+        assert time.monotonic() - t0 < timeout + 1.5
+    other, other_key = make_chunk(second, 2)
+    second.put(other_key, other)  # must not raise
+    t0 = time.monotonic()
+    second.close()
+    assert time.monotonic() - t0 < 2 * timeout + 3, "close() drains without hanging on the dead remote"
+    assert second.cpu.used_bytes == 0
+
+
+def test_pinned_contains_without_local_cpu_leaks_nothing(kv_metadata, make_chunk, managers, tmp_path):
+    m = _manager(kv_metadata, disk=tmp_path, local_cpu=False)
+    managers.append(m)
+    keys = [_put(m, make_chunk, seed)[0] for seed in range(3)]
+    m.flush(timeout=10)
+    assert m.batched_contains(keys, pin=True) == 3
+    for k in keys:
+        m.unpin(k)
+    assert m.cpu.used_bytes == 0, "with local_cpu off, a pinned lookup must not strand staged chunks in the pool"

@@ -1,0 +1,178 @@
+"""Lookups over real zmq IPC sockets: LookupClient (scheduler) -> LMCacheLookupServer (workers) -> engines."""
+
+import time
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from lmcache_triton import LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
+from lmcache_triton.engine import LMCacheEngine
+from lmcache_triton.lookup import protocol
+from lmcache_triton.lookup.client import LookupClient
+from lmcache_triton.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
+from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+
+CHUNK = 16
+LAYERS, HEADS, HEAD = 2, 2, 16
+BLOCK, BLOCKS = 16, 16
+TIMEOUT_MS = 500
+
+
+@pytest.fixture
+def closing():
+    """Closes every server, client and engine a test registers, in reverse order, even on failure."""
+    things = []
+    yield things
+    for thing in reversed(things):
+        thing.close()
+
+
+def _engine_id() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def _engine(closing, stored: list[torch.Tensor] = (), namespace: str = "") -> LMCacheEngine:
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
+    engine = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
+    closing.append(engine)
+    caches = make_kv_caches("vllm_cpu", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=HEADS,
+                            head_size=HEAD, generator=torch.Generator().manual_seed(0))
+    for tokens in stored:
+        slots = random_slot_mapping(len(tokens), num_blocks=BLOCKS, block_size=BLOCK,
+                                    generator=torch.Generator().manual_seed(1))
+        assert engine.store(tokens, kvcaches=caches, slot_mapping=slots, namespace=namespace) == len(tokens)
+    return engine
+
+
+def _client(closing, engine_id, world_size=1, **kw) -> LookupClient:
+    client = LookupClient(engine_id, world_size, timeout_ms=TIMEOUT_MS, **kw)
+    closing.append(client)
+    return client
+
+
+def _server(closing, cls, engine, engine_id, rank=0):
+    server = cls(engine, engine_id, rank)
+    closing.append(server)
+    return server
+
+
+PROMPT = torch.arange(100, 100 + 3 * CHUNK)
+
+
+def test_hit_miss_namespace_and_pins(closing):
+    eid = _engine_id()
+    engine = _engine(closing, [PROMPT])
+    _server(closing, LMCacheLookupServer, engine, eid)
+    client = _client(closing, eid)
+    query = PROMPT.tolist() + [7] * (CHUNK + 3)
+    assert client.lookup(query, "req-hit") == 3 * CHUNK
+    assert engine.storage_manager.cpu.num_pinned == 3, "the reported chunks are pinned for the load"
+    assert client.lookup([999] + query[1:], "req-first-changed") == 0
+    assert client.lookup(PROMPT[: 2 * CHUNK].tolist(), "req-short") == 2 * CHUNK
+    assert client.lookup(query, "req-other-ns", namespace="salt") == 0, "keys of one namespace never match another"
+    engine.lookup_unpin("req-short")
+    assert engine.storage_manager.cpu.num_pinned == 3, "req-hit still holds its pins"
+    engine.lookup_unpin("req-hit")
+    assert engine.storage_manager.cpu.num_pinned == 0
+
+
+def test_namespace_hit(closing):
+    eid = _engine_id()
+    engine = _engine(closing, [PROMPT], namespace="salt")
+    _server(closing, LMCacheLookupServer, engine, eid)
+    client = _client(closing, eid)
+    assert client.lookup(PROMPT.tolist(), "a", namespace="salt") == 3 * CHUNK
+    assert client.lookup(PROMPT.tolist(), "b") == 0
+
+
+def test_tensor_parallel_takes_the_minimum(closing):
+    eid = _engine_id()
+    rank0 = _engine(closing, [PROMPT])
+    rank1 = _engine(closing, [PROMPT[: 2 * CHUNK]])
+    _server(closing, LMCacheLookupServer, rank0, eid, rank=0)
+    _server(closing, LMCacheLookupServer, rank1, eid, rank=1)
+    assert _client(closing, eid, world_size=1).lookup(PROMPT.tolist(), "r0") == 3 * CHUNK
+    assert _client(closing, eid, world_size=2).lookup(PROMPT.tolist(), "tp") == 2 * CHUNK
+
+
+def _timed(fn):
+    t0 = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t0
+
+
+def test_no_server_is_a_quick_miss_and_recovers(closing):
+    eid = _engine_id()
+    client = _client(closing, eid)
+    hit, elapsed = _timed(lambda: client.lookup(PROMPT.tolist(), "early"))
+    assert hit == 0 and elapsed < TIMEOUT_MS / 1000 + 1
+    engine = _engine(closing, [PROMPT])
+    _server(closing, LMCacheLookupServer, engine, eid)
+    assert client.lookup(PROMPT.tolist(), "later") == 3 * CHUNK, "the client works once the server is up"
+
+
+def test_a_missing_rank_is_a_quick_miss(closing):
+    eid = _engine_id()
+    _server(closing, LMCacheLookupServer, _engine(closing, [PROMPT]), eid, rank=0)
+    client = _client(closing, eid, world_size=2)
+    hit, elapsed = _timed(lambda: client.lookup(PROMPT.tolist(), "tp-missing"))
+    assert hit == 0 and elapsed < TIMEOUT_MS / 1000 + 1
+    _server(closing, LMCacheLookupServer, _engine(closing, [PROMPT]), eid, rank=1)
+    assert client.lookup(PROMPT.tolist(), "tp-both") == 3 * CHUNK
+
+
+def test_async_client_polls_and_caches_per_lookup_id(closing):
+    eid = _engine_id()
+    engine = _engine(closing, [PROMPT])
+    _server(closing, LMCacheAsyncLookupServer, engine, eid)
+    client = _client(closing, eid, asynchronous=True)
+    assert client.lookup(PROMPT.tolist(), "req") is None, "the first call only sends the question"
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while (hit := client.lookup(PROMPT.tolist(), "req")) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert hit == 3 * CHUNK
+    engine.lookup_unpin("req")
+    # the cached answer is served without asking again: it stays even though the engine changed
+    engine.storage_manager.clear()
+    assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
+    client.clear_lookup_status("req")
+    assert client.lookup(PROMPT.tolist(), "req") is None
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while (hit := client.lookup(PROMPT.tolist(), "req")) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert hit == 0, "asked again after clear_lookup_status"
+
+
+def test_sync_client_caches_per_lookup_id(closing):
+    eid = _engine_id()
+    engine = _engine(closing, [PROMPT])
+    _server(closing, LMCacheLookupServer, engine, eid)
+    client = _client(closing, eid)
+    assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
+    engine.lookup_unpin("req")
+    engine.storage_manager.clear()
+    assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
+    client.clear_lookup_status("req")
+    assert client.lookup(PROMPT.tolist(), "req") == 0
+
+
+@pytest.mark.parametrize("cls", [LMCacheLookupServer, LMCacheAsyncLookupServer])
+def test_garbage_does_not_kill_the_server(closing, cls):
+    eid = _engine_id()
+    engine = _engine(closing, [PROMPT])
+    _server(closing, cls, engine, eid)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    closing.append(raw)
+    raw.connect(protocol.socket_path(eid, 0))
+    good = protocol.encode_request(1, "x", [1, 2, 3], "", None)
+    for frames in ([b"\xff\x00garbage"], [b"not json", b"12345678"], [b"[1, 2]", b""],
+                   [b'{"v": 99, "seq": 1}', b""], [b'{"v": 1, "seq": 1}', b"odd"],
+                   [good[0], good[1], b"third"], [b'{"v": 1}', b""]):
+        raw.send_multipart(frames)
+    client = _client(closing, eid)
+    assert client.lookup(PROMPT.tolist(), "after-garbage") == 3 * CHUNK, "the server still answers"
