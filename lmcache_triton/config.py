@@ -83,6 +83,7 @@ _SPECS: dict[str, _Spec] = {
     "save_unfull_chunk": _Spec("bool"),
     "enable_async_loading": _Spec("bool"),
     "lookup_timeout_ms": _Spec("int"),
+    "prometheus_port": _Spec("int", optional=True),
     "extra_config": _Spec("dict", optional=True),
 }
 
@@ -378,6 +379,10 @@ class LMCacheEngineConfig:
     enable_async_loading: bool = False
     # Scheduler-side lookup RPC timeout.
     lookup_timeout_ms: int = 3000
+    # Not an LMCache field: each process serving an engine exports lmcache_triton_* metrics on
+    # http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join
+    # vLLM's own /metrics when PROMETHEUS_MULTIPROC_DIR is set).
+    prometheus_port: int | None = None
     extra_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -405,6 +410,12 @@ class LMCacheEngineConfig:
                 raise ConfigError(
                     f"invalid value for '{key}': must be > 0, got {getattr(self, key)!r}"
                 )
+
+        if self.prometheus_port is not None and not 1 <= self.prometheus_port <= 65535:
+            raise ConfigError(
+                f"invalid value for 'prometheus_port': must be a TCP port in 1..65535 or None, "
+                f"got {self.prometheus_port!r}"
+            )
 
         self.local_disk = self._normalize_local_disk(self.local_disk)
         if self.local_disk is not None and self.max_local_disk_size <= 0:

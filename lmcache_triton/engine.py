@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lmcache_triton import metrics
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.gpu_connector import GPUConnectorInterface, VLLMPagedMemLayerwiseGPUConnector
 from lmcache_triton.memory import MemoryObj
@@ -63,7 +64,10 @@ class LMCacheEngine:
             config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt
         )
         self.storage_manager = storage_manager or StorageManager(config, metadata)
-        self.stats_monitor = LMCStatsMonitor()
+        self.stats_monitor = LMCStatsMonitor(labels=(metadata.model_name, str(metadata.worker_id)))
+        metrics.track(self)
+        if config.prometheus_port is not None:
+            metrics.serve(config.prometheus_port + metadata.worker_id)
         self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
         self._pins_lock = threading.Lock()
         logger.info(
@@ -151,6 +155,7 @@ class LMCacheEngine:
         """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
         partial chunk). With `pin`, the chunks it reports stay in the CPU tier until
         `lookup_unpin(lookup_id)`, so the load that follows finds them."""
+        t0 = time.perf_counter()
         hit = 0
         pinned: list[CacheEngineKey] = []
         for _, end, key in self._chunks(tokens, None, kwargs):
@@ -164,7 +169,7 @@ class LMCacheEngine:
         if pin:
             with self._pins_lock:
                 self._lookup_pins.setdefault(lookup_id or "", []).extend(pinned)
-        self.stats_monitor.on_lookup(len(tokens), hit)
+        self.stats_monitor.on_lookup(len(tokens), hit, time.perf_counter() - t0)
         return hit
 
     def lookup_unpin(self, lookup_id: str | None = None) -> None:

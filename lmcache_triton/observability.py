@@ -47,12 +47,20 @@ class LMCacheStats:
 
 
 class LMCStatsMonitor:
-    """Thread-safe accumulators; `get_stats()` returns an immutable snapshot."""
+    """Thread-safe accumulators; `get_stats()` returns an immutable snapshot.
+
+    With `labels` (model, rank), each operation is also observed in the Prometheus histograms
+    of `lmcache_triton.metrics`."""
 
     _FIELDS = tuple(LMCacheStats.__dataclass_fields__)
 
-    def __init__(self) -> None:
+    def __init__(self, labels: tuple[str, str] | None = None) -> None:
         self._lock = threading.Lock()
+        self._hist = None
+        if labels is not None:
+            from lmcache_triton.metrics import histograms
+
+            self._hist = {name: h.labels(*labels) for name, h in histograms().items()}
         self.reset()
 
     def reset(self) -> None:
@@ -64,16 +72,26 @@ class LMCStatsMonitor:
             for k, v in deltas.items():
                 self._values[k] += v
 
-    def on_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+    def _observe(self, op: str, seconds: float, nbytes: int | None = None) -> None:
+        if self._hist is None:
+            return
+        self._hist[f"{op}_seconds"].observe(seconds)
+        if nbytes and seconds > 0:
+            self._hist[f"{op}_gbps"].observe(nbytes / seconds / 1e9)
+
+    def on_lookup(self, num_tokens: int, hit_tokens: int, seconds: float = 0.0) -> None:
         self._add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit_tokens)
+        self._observe("lookup", seconds)
 
     def on_retrieve(self, requested_tokens: int, hit_tokens: int, nbytes: int, seconds: float) -> None:
         self._add(retrieve_requests=1, requested_tokens=requested_tokens, hit_tokens=hit_tokens,
                   retrieved_bytes=nbytes, retrieve_time_s=seconds)
+        self._observe("retrieve", seconds, nbytes)
 
     def on_store(self, stored_tokens: int, nbytes: int, seconds: float, refusals: int = 0) -> None:
         self._add(store_requests=1, stored_tokens=stored_tokens, stored_bytes=nbytes,
                   store_time_s=seconds, store_refusals=refusals)
+        self._observe("store", seconds, nbytes)
 
     def get_stats(self) -> LMCacheStats:
         with self._lock:

@@ -83,7 +83,7 @@ def kv_deviation_ref(k_new: torch.Tensor, k_cached: torch.Tensor) -> torch.Tenso
     """Pure-torch reference of :func:`kv_deviation`."""
     _check_deviation(k_new, k_cached)
     diff = k_new.float() - k_cached.float()
-    return (diff * diff).reshape(k_new.shape[0], -1).sum(dim=1)
+    return (diff * diff).reshape(k_new.shape[0], math.prod(k_new.shape[1:])).sum(dim=1)
 
 
 def kv_deviation(k_new: torch.Tensor, k_cached: torch.Tensor) -> torch.Tensor:
@@ -93,9 +93,9 @@ def kv_deviation(k_new: torch.Tensor, k_cached: torch.Tensor) -> torch.Tensor:
     if not _use_triton(k_new.device):
         return kv_deviation_ref(k_new, k_cached)
     num_tokens = k_new.shape[0]
-    a = k_new.reshape(num_tokens, -1)  # a view whenever the trailing dims allow, else a copy
-    b = k_cached.reshape(num_tokens, -1)
-    width = a.shape[1]
+    width = math.prod(k_new.shape[1:])
+    a = k_new.reshape(num_tokens, width)  # a view whenever the trailing dims allow, else a copy
+    b = k_cached.reshape(num_tokens, width)
     out = torch.empty(num_tokens, dtype=torch.float32, device=k_new.device)
     if num_tokens == 0:
         return out
@@ -238,11 +238,11 @@ def selective_write(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor)
     if num_rows == 0 or dst[0].numel() == 0:
         return
     try:
-        d2 = as_bits(dst).view(dst.shape[0], -1)  # must be a view: the kernel writes through it
+        d2 = as_bits(dst).view(dst.shape[0], math.prod(dst.shape[1:]))  # must be a view: the kernel writes through it
     except RuntimeError:
         raise ValueError(f"dst's row dims must be flattenable without a copy, got shape "
                          f"{tuple(dst.shape)} / stride {dst.stride()}") from None
-    s2 = as_bits(src).reshape(num_rows, -1)
+    s2 = as_bits(src).reshape(num_rows, math.prod(src.shape[1:]))
     width = d2.shape[1]
     block_t, block_d = _tile(width)
     grid = (triton.cdiv(num_rows, block_t), triton.cdiv(width, block_d))

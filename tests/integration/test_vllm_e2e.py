@@ -31,16 +31,22 @@ def _conn(**extra):
     return {f"lmcache.{k}": v for k, v in ({"max_local_cpu_size": 0.25} | extra).items()}
 
 
-def test_second_request_loads_and_outputs_match(run_vllm, tiny_model, baseline, tmp_path):
-    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(), "steps": [
-        {"prompt": P}, {"prompt": P}, {"prompt": Q}, {"prompt": P, "cache_salt": "tenant-b"}]})
-    cold, warm, prefix, other_ns = r["steps"]
+def test_second_request_loads_and_outputs_match(run_vllm, tiny_model, baseline, tmp_path, free_port):
+    port = free_port()
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(prometheus_port=port), "steps": [
+        {"prompt": P}, {"prompt": P}, {"prompt": Q}, {"prompt": P, "cache_salt": "tenant-b"},
+        {"scrape": f"http://127.0.0.1:{port}/metrics"}]})
+    cold, warm, prefix, other_ns, scrape = r["steps"]
     assert cold["cached"] == 0 and cold["tokens"] == baseline["P"]
     assert warm["cached"] == 512, "the two whole chunks of P are loaded"
     assert warm["tokens"] == baseline["P"]
     assert prefix["cached"] == 256 and prefix["tokens"] == baseline["Q"], "only the shared chunk loads"
     assert other_ns["cached"] == 0 and other_ns["tokens"] == baseline["P"], "another namespace loads nothing"
     assert r["metrics"].get("vllm:external_prefix_cache_hits") == 512 + 256
+    # the worker's lmcache_triton_* metrics, scraped from the running vLLM
+    hits = [line for line in scrape["scrape"].splitlines() if line.startswith("lmcache_triton_hit_tokens_total{")]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) == 512 + 256, hits
+    assert "lmcache_triton_retrieve_seconds_bucket" in scrape["scrape"]
 
 
 def test_layerwise(run_vllm, tiny_model, baseline, tmp_path):

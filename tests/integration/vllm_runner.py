@@ -4,7 +4,7 @@
 
 SPEC: {"model": path, "connector": null | {extra config dict}, "kv_role": str, "llm_args": {...},
        "steps": [{"prompt": [ids], "cache_salt": str | null, "max_tokens": n}
-                 | {"kill_pid": pid} | {"corrupt_dir": path}]}
+                 | {"kill_pid": pid} | {"corrupt_dir": path} | {"scrape": url}]}
 Each generate step records the output token ids, vLLM's num_cached_tokens and the time.
 A separate process per vLLM engine: vLLM keeps process-wide state, and the tests restart it.
 """
@@ -48,6 +48,12 @@ def main() -> None:
         if "kill_pid" in step:
             os.kill(step["kill_pid"], signal.SIGKILL)
             results["steps"].append({"killed": step["kill_pid"]})
+            continue
+        if "scrape" in step:  # the connector's Prometheus endpoint, served by the worker process
+            import urllib.request
+
+            text = urllib.request.urlopen(step["scrape"], timeout=10).read().decode()
+            results["steps"].append({"scrape": text})
             continue
         if "corrupt_dir" in step:
             results["steps"].append({"corrupted": corrupt_dir(step["corrupt_dir"])})

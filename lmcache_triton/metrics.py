@@ -1,0 +1,120 @@
+"""Prometheus metrics, named lmcache_triton_*, labelled by model and rank.
+
+Counters and gauges are read from the live engines' stats at scrape time (a custom collector:
+nothing is counted twice and the per-request path pays nothing for them); latency and throughput
+histograms are observed per operation. A process exports them on
+`http://0.0.0.0:(prometheus_port + rank)/metrics` when the config sets `prometheus_port`. Under
+vLLM's multiprocess Prometheus mode (PROMETHEUS_MULTIPROC_DIR) only the histograms join vLLM's
+own /metrics: prometheus-client cannot aggregate custom collectors across processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from prometheus_client import REGISTRY, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from lmcache_triton.engine import LMCacheEngine
+
+logger = logging.getLogger("lmcache_triton")
+
+_LABELS = ("model", "rank")
+_SECONDS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_GBPS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+_lock = threading.RLock()  # register() calls collect() while histograms() holds it
+_engines: weakref.WeakSet[LMCacheEngine] = weakref.WeakSet()
+_histograms: dict[str, Histogram] = {}
+_http_ports: set[int] = set()
+
+
+def histograms() -> dict[str, Histogram]:
+    """The per-operation histograms, created once per process."""
+    with _lock:
+        if not _histograms:
+            for op in ("lookup", "retrieve", "store"):
+                _histograms[f"{op}_seconds"] = Histogram(
+                    f"lmcache_triton_{op}_seconds", f"Time of one {op} call", _LABELS, buckets=_SECONDS)
+            for op in ("retrieve", "store"):
+                _histograms[f"{op}_gbps"] = Histogram(
+                    f"lmcache_triton_{op}_gbps", f"KV bytes moved per second by one {op} call, GB/s", _LABELS,
+                    buckets=_GBPS)
+            REGISTRY.register(_EngineCollector())
+        return _histograms
+
+
+def track(engine: LMCacheEngine) -> None:
+    histograms()
+    with _lock:
+        _engines.add(engine)
+
+
+def serve(port: int) -> None:
+    """Starts the metrics HTTP server on `port` once per process; a busy port is logged, not raised."""
+    with _lock:
+        if port in _http_ports:
+            return
+        try:
+            start_http_server(port)
+        except OSError as e:
+            logger.warning("lmcache_triton: cannot export metrics on port %d: %s", port, e)
+            return
+        _http_ports.add(port)
+    logger.info("lmcache_triton metrics on http://0.0.0.0:%d/metrics", port)
+
+
+_COUNTERS = {  # stats field -> (metric name, help)
+    "lookup_requests": ("lookup_requests", "Lookups answered"),
+    "lookup_tokens": ("lookup_tokens", "Tokens asked about by lookups"),
+    "lookup_hit_tokens": ("lookup_hit_tokens", "Tokens lookups found cached"),
+    "retrieve_requests": ("retrieve_requests", "Retrieve calls"),
+    "requested_tokens": ("requested_tokens", "Tokens asked of retrieve"),
+    "hit_tokens": ("hit_tokens", "Tokens loaded by retrieve"),
+    "store_requests": ("store_requests", "Store calls"),
+    "stored_tokens": ("stored_tokens", "Tokens stored"),
+    "store_refusals": ("store_refusals", "Chunks not stored because the CPU tier was full of pinned chunks"),
+}
+
+
+class _EngineCollector:
+    """Yields the counters and gauges of every live engine at scrape time."""
+
+    def collect(self):
+        counters = {f: CounterMetricFamily(f"lmcache_triton_{name}", doc, labels=_LABELS)
+                    for f, (name, doc) in _COUNTERS.items()}
+        evictions = CounterMetricFamily("lmcache_triton_evictions", "Chunks evicted", labels=(*_LABELS, "tier"))
+        remote_errors = CounterMetricFamily("lmcache_triton_remote_errors", "Failed remote calls (each a miss)",
+                                            labels=(*_LABELS, "tier"))
+        checksum = CounterMetricFamily("lmcache_triton_checksum_failures",
+                                       "Chunks that failed their checks on read (each a miss)",
+                                       labels=(*_LABELS, "tier"))
+        hit_rate = GaugeMetricFamily("lmcache_triton_hit_rate", "hit_tokens / requested_tokens", labels=_LABELS)
+        usage = GaugeMetricFamily("lmcache_triton_usage_bytes", "Bytes held per tier", labels=(*_LABELS, "tier"))
+        capacity = GaugeMetricFamily("lmcache_triton_capacity_bytes", "Capacity per tier",
+                                     labels=(*_LABELS, "tier"))
+        pinned = GaugeMetricFamily("lmcache_triton_pinned_chunks", "Chunks pinned in the CPU tier", labels=_LABELS)
+        with _lock:
+            engines = list(_engines)
+        for engine in engines:
+            labels = [engine.metadata.model_name, str(engine.metadata.worker_id)]
+            stats = engine.get_stats()
+            for f, family in counters.items():
+                family.add_metric(labels, getattr(stats, f))
+            hit_rate.add_metric(labels, stats.hit_rate)
+            for tier, u in engine.storage_manager.usage().items():
+                tl = [*labels, tier]
+                evictions.add_metric(tl, u.get("evictions", 0))
+                usage.add_metric(tl, u.get("used_bytes", 0))
+                capacity.add_metric(tl, u.get("capacity_bytes", 0))
+                if tier != "cpu":
+                    checksum.add_metric(tl, u.get("corrupt", 0))
+                    remote_errors.add_metric(tl, u.get("errors", 0) + u.get("io_errors", 0))
+                else:
+                    pinned.add_metric(labels, u.get("pinned_chunks", 0))
+        yield from counters.values()
+        yield from (evictions, remote_errors, checksum, hit_rate, usage, capacity, pinned)
