@@ -42,3 +42,65 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
+
+
+def progress(iterable, *, total: int | None = None, desc: str = ""):
+    """A tqdm bar over `iterable` when tqdm is importable (it comes with vLLM), else one plain line
+    per item: long runs must show they are alive without making tqdm a dependency."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+        return
+    total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+    for i, item in enumerate(iterable, 1):
+        print(f"  {desc} {i}/{total if total is not None else '?'}", flush=True)
+        yield item
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100): no numpy needed, and p99 of a few samples is the max."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = max(0, min(len(s) - 1, -(-len(s) * q // 100) - 1))
+    return s[int(k)]
+
+
+class MatplotlibMissing(RuntimeError):
+    pass
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, imported only when a plot is asked for."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise MatplotlibMissing("--plot needs matplotlib, from the `bench` extra: pip install -e '.[bench]' "
+                                "(or pip install matplotlib)") from e
+    return plt
+
+
+def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> Path:
+    """Grouped bars: groups = {x label: {series name: value}} (series absent from a group are skipped)."""
+    plt = pyplot()
+    series = list(dict.fromkeys(s for g in groups.values() for s in g))
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(series)) * 0.6), 4.5))
+    for i, s in enumerate(series):
+        xs = [j + i * width for j, g in enumerate(groups.values()) if s in g]
+        ys = [g[s] for g in groups.values() if s in g]
+        ax.bar(xs, ys, width, label=s)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))], list(groups), fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\n{context()['device']}", fontsize=9)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

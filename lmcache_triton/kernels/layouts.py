@@ -55,12 +55,20 @@ def kv_views(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         hs = shape[3] // 2
         return x[..., :hs], x[..., hs:]
     if layout == "vllm_cpu":
-        # [num_blocks, heads, 2 * block_size, head_size]: block_size rows of K then of V.
+        # [num_blocks, heads, 2 * block_size, head_size]: per (block, head) a K half, then a V half.
+        # vLLM's CPU attention kernel (its "vec"/"vec16" ISAs, checked by writing known keys through
+        # cpu_attn_reshape_and_cache) keeps V token-major ([block_size, head_size]) but K transposed:
+        # key (token o, dim d) sits at position d * block_size + o of the K half. The K view below
+        # reads it that way, so chunks hold true per-token K (CacheBlend needs it) and any slot
+        # subset round-trips exactly.
         if kv_cache.dim() != 4 or shape[2] % 2 != 0:
             raise _bad(layout, kv_cache, "expected [num_blocks, heads, 2*block_size, head_size]")
-        x = kv_cache.permute(0, 2, 1, 3)
-        bs = shape[2] // 2
-        return x[:, :bs], x[:, bs:]
+        s0, s1, s2, s3 = kv_cache.stride()
+        if s2 != shape[3] * s3:
+            raise _bad(layout, kv_cache, "each (block, head) half must be one dense [block_size, head_size] slab")
+        bs, hs = shape[2] // 2, shape[3]
+        k = kv_cache.as_strided((shape[0], bs, shape[1], hs), (s0, s3, s1, bs * s3), kv_cache.storage_offset())
+        return k, kv_cache.permute(0, 2, 1, 3)[:, bs:]
     if layout == "flash_attn":
         if kv_cache.dim() != 5 or shape[0] != 2:
             raise _bad(layout, kv_cache, "expected [2, num_blocks, block_size, heads, head_size]")

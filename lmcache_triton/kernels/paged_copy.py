@@ -35,7 +35,7 @@ from .reference import as_2ltd, gather_into_ref, scatter_from_ref
 
 @triton.jit
 def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
-                    stride_b, stride_o, stride_h, stride_d,
+                    stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                     NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -59,6 +59,12 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, k
     # VEC (checked on the host) is a common divisor of base alignment, layer offsets, kv_off, strides
     # and HEAD_SIZE: rows start VEC-aligned and columns run contiguously in groups of VEC, which lets
     # the compiler emit 16-byte accesses although the layer offsets and slots are loaded values.
+    # K and V may be strided differently (vLLM's CPU backend keeps K transposed in each block);
+    # kv is 0 or 1, so this picks K's or V's strides without a branch.
+    stride_b = stride_b + kv * (v_stride_b - stride_b)
+    stride_o = stride_o + kv * (v_stride_o - stride_o)
+    stride_h = stride_h + kv * (v_stride_h - stride_h)
+    stride_d = stride_d + kv * (v_stride_d - stride_d)
     row = tl.load(layer_off_ptr + layer) + kv * kv_off + blk * stride_b + off * stride_o
     row = tl.multiple_of(row, VEC)
     col_off = tl.max_contiguous(tl.multiple_of(head * stride_h + dim * stride_d, VEC), VEC)
@@ -71,12 +77,12 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, k
 # num_tokens changes every call: no value specialization (T == 1, T % 16 == 0), so no recompiles.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
-                         stride_b, stride_o, stride_h, stride_d,
+                         stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                          c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                          BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                          NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
-                                     stride_b, stride_o, stride_h, stride_d,
+                                     stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                                      c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                                      BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
@@ -84,12 +90,12 @@ def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_toke
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
-                          stride_b, stride_o, stride_h, stride_d,
+                          stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                           c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                           BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                           NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
-                                     stride_b, stride_o, stride_h, stride_d,
+                                     stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                                      c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                                      BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
@@ -124,10 +130,10 @@ def _vec(layers: Layers, kv_off: int) -> int:
     """Elements per 16-byte access on the cache side if every offset allows it, else 1."""
     k0 = layers.k[0]
     vec = 16 // k0.element_size()
-    stride_b, stride_o, stride_h, stride_d = k0.stride()
+    strides = [k0.stride()] + ([] if layers.v is None else [layers.v[0].stride()])
     base = k0.data_ptr()
-    ok = (stride_d == 1 and base % 16 == 0 and layers.geometry.head_size % vec == 0
-          and all(x % vec == 0 for x in (kv_off, stride_b, stride_o, stride_h))
+    ok = (all(st[3] == 1 and all(x % vec == 0 for x in st[:3]) for st in strides)
+          and base % 16 == 0 and layers.geometry.head_size % vec == 0 and kv_off % vec == 0
           and all((k.data_ptr() - base) % 16 == 0 for k in layers.k))
     return vec if ok else 1
 
@@ -176,7 +182,7 @@ def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -
     with on_device:
         kernel[grid](
             as_bits(k0), _layer_offsets(layers), slots, as_bits(chunk4), num_tokens, kv_off,
-            *k0.stride(), *chunk4.stride(),
+            *k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride(), *chunk4.stride(),
             BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
             VEC=_vec(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
         )

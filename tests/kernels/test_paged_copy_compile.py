@@ -23,14 +23,15 @@ SCRIPT = textwrap.dedent("""
     for kern in (pc._paged_gather_kernel, pc._paged_scatter_kernel):
         sig = dict(cache_ptr="*i16", layer_off_ptr="*i64", slot_ptr="*i64", chunk_ptr="*i16",
                    num_tokens="i32", kv_off="i32", stride_b="i64", stride_o="i32", stride_h="i32",
-                   stride_d="constexpr", c_stride_kv="i32", c_stride_l="i32", c_stride_t="i32",
+                   stride_d="constexpr", v_stride_b="i64", v_stride_o="i32", v_stride_h="i32",
+                   v_stride_d="constexpr", c_stride_kv="i32", c_stride_l="i32", c_stride_t="i32",
                    c_stride_c="constexpr", BLOCK_SIZE="constexpr", HEAD_SIZE="constexpr",
                    HIDDEN="constexpr", NUM_KV="constexpr", VEC="constexpr", BLOCK_T="constexpr",
                    BLOCK_D="constexpr")
-        consts = dict(stride_d=1, c_stride_c=1, BLOCK_SIZE=16, HEAD_SIZE=128, HIDDEN=1024, NUM_KV=2,
+        consts = dict(stride_d=1, v_stride_d=1, c_stride_c=1, BLOCK_SIZE=16, HEAD_SIZE=128, HIDDEN=1024, NUM_KV=2,
                       VEC=8, BLOCK_T=bt, BLOCK_D=bd)
         aligned = ["cache_ptr", "layer_off_ptr", "slot_ptr", "chunk_ptr", "kv_off", "stride_b",
-                   "stride_o", "stride_h", "c_stride_kv", "c_stride_l", "c_stride_t"]
+                   "stride_o", "stride_h", "v_stride_b", "v_stride_o", "v_stride_h", "c_stride_kv", "c_stride_l", "c_stride_t"]
         idx = kern.arg_names.index
         src = ASTSource(fn=kern, signature=sig, constexprs={(idx(k),): v for k, v in consts.items()},
                         attrs={(idx(k),): [["tt.divisibility", 16]] for k in aligned})
