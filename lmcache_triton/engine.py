@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,8 @@ class LMCacheEngine:
     """
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                 gpu_connector: GPUConnectorInterface, *, storage_manager: StorageManager | None = None) -> None:
+                 gpu_connector: GPUConnectorInterface, *, storage_manager: StorageManager | None = None,
+                 token_database: Any = None) -> None:
         if config.chunk_size != metadata.chunk_size:
             raise ValueError(
                 f"config chunk_size={config.chunk_size} differs from metadata kv_shape[2]={metadata.chunk_size}"
@@ -60,9 +61,15 @@ class LMCacheEngine:
         self.metadata = metadata
         self.gpu_connector = gpu_connector
         self.layerwise = isinstance(gpu_connector, VLLMPagedMemLayerwiseGPUConnector)
-        self.token_database = ChunkedTokenDatabase(
+        # A ChunkedTokenDatabase (prefix reuse), or CacheBlend's SegmentTokenDatabase: segments are
+        # reusable wherever they appear, so a missing one does not end a lookup or a load.
+        self.token_database = token_database or ChunkedTokenDatabase(
             config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt
         )
+        self.prefix_chain = self.token_database.prefix_chain
+        # Set by CacheBlend: re-rotates a stored segment's K (`[T, hidden]`, computed at positions
+        # start..) to positions 0.., so the blender can move it to wherever it appears next.
+        self.key_rotation: Callable[[torch.Tensor, int], None] | None = None
         self.storage_manager = storage_manager or StorageManager(config, metadata)
         self.stats_monitor = LMCStatsMonitor(labels=(metadata.model_name, str(metadata.worker_id)))
         metrics.track(self)
@@ -138,7 +145,9 @@ class LMCacheEngine:
             for start, end, key in self._chunks(tokens, mask, kwargs):
                 obj = self.storage_manager.get(key)
                 if obj is None:
-                    break
+                    if self.prefix_chain:
+                        break
+                    continue
                 used.append((key, obj))
                 self.gpu_connector.to_gpu(obj, start, end, **kwargs)
                 ret_mask[start:end] = True
@@ -158,14 +167,16 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         hit = 0
         pinned: list[CacheEngineKey] = []
-        for _, end, key in self._chunks(tokens, None, kwargs):
+        for start, end, key in self._chunks(tokens, None, kwargs):
             keys = self._object_keys(key)
             n = self.storage_manager.batched_contains(keys, pin=pin)
             if pin:
                 pinned.extend(keys[:n])
             if n < len(keys):
-                break
-            hit = end
+                if self.prefix_chain:
+                    break
+                continue
+            hit = end if self.prefix_chain else hit + (end - start)
         if pin:
             with self._pins_lock:
                 self._lookup_pins.setdefault(lookup_id or "", []).extend(pinned)
@@ -219,6 +230,9 @@ class LMCacheEngine:
         for layer in range(num_layers):
             next(mover)
             _sync(kwargs.get("kvcaches"))
+            if self.key_rotation is not None:
+                for obj, start in zip(by_layer[layer], starts):
+                    self.key_rotation(obj.tensor[:, 0], start)
             self.storage_manager.batched_put([k.with_layer(layer) for k in keys], by_layer[layer])
             yield
         stored = sum(e - s for s, e in zip(starts, ends))
@@ -254,7 +268,9 @@ class LMCacheEngine:
             if len(objs) < num_layers:
                 for k, obj in zip(layer_keys, objs):
                     self.storage_manager.release(k, obj)
-                break
+                if self.prefix_chain:
+                    break
+                continue
             starts.append(start)
             ends.append(end)
             keys.append(key)
@@ -298,11 +314,11 @@ class LMCacheEngineBuilder:
 
     @classmethod
     def get_or_create(cls, instance_id: str, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                      gpu_connector: GPUConnectorInterface) -> LMCacheEngine:
+                      gpu_connector: GPUConnectorInterface, token_database: Any = None) -> LMCacheEngine:
         with cls._lock:
             engine = cls._engines.get(instance_id)
             if engine is None:
-                engine = LMCacheEngine(config, metadata, gpu_connector)
+                engine = LMCacheEngine(config, metadata, gpu_connector, token_database=token_database)
                 cls._engines[instance_id] = engine
             elif engine.config != config or engine.metadata != metadata:
                 raise ValueError(

@@ -222,6 +222,7 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
         self._num_tokens = 0
         self._resident: list[int | None] = [None] * num_buffers
         self.buffer_start = 0
+        self.loaded_ranges: list[tuple[int, int]] = []
 
     def _ensure_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         buf = self._buffer
@@ -262,6 +263,7 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
         num_tokens = (ends[-1] - first) if len(ends) else 0
         buf = self._ensure_buffer(num_tokens, kvcaches[0].device)
         self._num_tokens, self.buffer_start = num_tokens, first
+        self.loaded_ranges = list(zip(starts, ends))  # the blender's cached rows; gaps stay uncached
         self._resident = [None] * self.num_buffers
         all_slots = torch.cat([slots for _, slots in parts]) if parts else None
 

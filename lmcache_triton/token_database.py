@@ -102,6 +102,8 @@ class CacheEngineKey:
 class ChunkedTokenDatabase:
     """Splits token ids into `chunk_size` chunks and keys each with the prefix hash chain."""
 
+    prefix_chain = True  # chunk i is only usable behind chunks 0..i-1: a miss ends every load
+
     def __init__(self, chunk_size: int, metadata: LMCacheEngineMetadata, *, save_unfull_chunk: bool = True,
                  fmt: MemoryFormat | str | None = None) -> None:
         if chunk_size <= 0:

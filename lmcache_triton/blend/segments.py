@@ -91,6 +91,8 @@ class SegmentTokenDatabase:
     Same calling convention as `ChunkedTokenDatabase.process_tokens`: yields (start, end, key).
     """
 
+    prefix_chain = False  # a segment is usable wherever it appears, whatever precedes it
+
     def __init__(self, metadata: LMCacheEngineMetadata, separator: Sequence[int] | torch.Tensor, *,
                  min_tokens: int = 256, fmt: MemoryFormat | str | None = None) -> None:
         sep = _as_tensor(separator)

@@ -111,3 +111,24 @@ def test_producer_saves_consumer_loads(run_vllm, tiny_model, baseline, tmp_path)
                                    "steps": [{"prompt": P}, {"prompt": Q}, {"prompt": Q}]})
     assert [s["cached"] for s in consumer["steps"]] == [512, 256, 256], "a consumer loads but never saves"
     assert [s["tokens"] for s in consumer["steps"]] == [baseline["P"], baseline["Q"], baseline["Q"]]
+
+
+def test_cacheblend_reuses_documents_in_another_order(run_vllm, tiny_model, tmp_path, free_port):
+    """RAG-shaped prompts: documents separated by " # # " (the word-level tokenizer reads "#" as
+    <unk>, id 3). The second prompt holds the same documents in another order: they are not a
+    prefix, yet the connector reports them as external hits and the worker blends them."""
+    sep = [3, 3]
+    d1, d2, d3 = (random_prompt(200, seed=s) for s in (11, 12, 13))
+    first = d1 + sep + d2 + sep + d3 + sep + random_prompt(20, seed=14)
+    second = d3 + sep + d1 + sep + d2 + sep + random_prompt(20, seed=15)
+    port = free_port()
+    conn = _conn(use_layerwise=True, enable_blending=True, blend_min_tokens=64, blend_check_layers=[1],
+                 blend_recompute_ratios=[0.15], prometheus_port=port)
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [
+        {"prompt": first}, {"prompt": second}, {"scrape": f"http://127.0.0.1:{port}/metrics"}]})
+    cold, blended, scrape = r["steps"]
+    assert cold["cached"] == 0 and len(cold["tokens"]) == 8
+    assert blended["cached"] == len(second) - 1, "every prompt token but the last comes from the blend"
+    assert len(blended["tokens"]) == 8
+    loaded = [line for line in scrape["scrape"].splitlines() if line.startswith("lmcache_triton_hit_tokens_total{")]
+    assert loaded and float(loaded[0].rsplit(" ", 1)[1]) == 600, "the three documents' KV was loaded"

@@ -3,19 +3,29 @@
     {"kv_connector": "LMCacheTritonConnectorV1",
      "kv_connector_module_path": "lmcache_triton.integration.vllm", "kv_role": "kv_both"}
 
-vLLM imports this module (by module path, or through the `vllm.general_plugins` entry point that
-registers the name) only when the connector is configured; it imports vLLM.
+Names resolve lazily: vLLM's plugin loader imports `plugin` (and `model_hook`) from this package in
+every process, and that must not pull in the engine or vLLM's connector base class.
 """
 
-from lmcache_triton.integration.vllm.connector import LMCacheTritonConnectorV1
-from lmcache_triton.integration.vllm.specs import (
-    DisaggSpec,
-    LMCacheConnectorMetadata,
-    LoadSpec,
-    ReqMeta,
-    RequestTracker,
-    SaveSpec,
-)
+from __future__ import annotations
 
-__all__ = ["LMCacheTritonConnectorV1", "LMCacheConnectorMetadata", "RequestTracker", "ReqMeta", "LoadSpec",
-           "SaveSpec", "DisaggSpec"]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "LMCacheTritonConnectorV1": "connector",
+    "LMCacheConnectorMetadata": "specs",
+    "RequestTracker": "specs",
+    "ReqMeta": "specs",
+    "LoadSpec": "specs",
+    "SaveSpec": "specs",
+    "DisaggSpec": "specs",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

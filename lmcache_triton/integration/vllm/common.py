@@ -17,10 +17,9 @@ def resolve_config(vllm_config: Any) -> LMCacheEngineConfig:
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     overrides = {k: v for k, v in extra.items() if k.startswith(_PREFIX)}
     config = LMCacheEngineConfig.load(overrides)
-    if is_cpu_platform() and config.save_unfull_chunk:
-        # The CPU attention backend stores K transposed inside each block, so only whole blocks
-        # can be moved; a partial chunk would end inside a block.
-        logger.warning("lmcache_triton: save_unfull_chunk is not supported by vLLM's CPU backend; disabling it")
+    if cpu_blocks_opaque() and config.save_unfull_chunk:
+        logger.warning("lmcache_triton: save_unfull_chunk is not supported by vLLM's CPU backend on AMX "
+                       "CPUs (whole blocks only); disabling it")
         config = config.replace(save_unfull_chunk=False)
     return config
 
@@ -29,6 +28,15 @@ def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def cpu_blocks_opaque() -> bool:
+    """On AMX CPUs vLLM's CPU attention kernel packs a block's K in a layout we have not verified
+    (the `vllm_cpu` view is checked for its "vec" kernels): there only whole blocks are moved, and
+    per-token work on K (CacheBlend) is refused."""
+    import torch
+
+    return is_cpu_platform() and bool(torch.cpu._is_amx_tile_supported())
 
 
 def engine_id(vllm_config: Any) -> str:

@@ -65,6 +65,13 @@ class SchedulerSide:
             return None, False  # asynchronous lookup still running: vLLM asks again next step
         if req_id not in self.lookups_in_step:
             self.lookups_in_step.append(req_id)
+        if self.config.enable_blending:
+            # `hit` counts the prompt's tokens inside cached segments. The worker blends them and
+            # computes the rest itself, so vLLM only computes the last token. Blending reads the
+            # prompt from position 0: with a local prefix hit, leave the request to vLLM.
+            if hit < self.config.blend_min_tokens or num_computed_tokens > 0:
+                return 0, False
+            hit = request.num_tokens
         # vLLM must compute at least one token to produce logits: on a full hit, load all but
         # let vLLM recompute the last one.
         need = hit - num_computed_tokens - (1 if hit == request.num_tokens else 0)
@@ -125,7 +132,8 @@ class SchedulerSide:
     def _add(self, meta: LMCacheConnectorMetadata, tracker: RequestTracker, load_spec: LoadSpec | None) -> None:
         req_meta = ReqMeta.from_request_tracker(
             tracker, self.block_size, self.chunk_size, load_spec=load_spec,
-            save_unfull_chunk=self.config.save_unfull_chunk, save_decode_cache=self.config.save_decode_cache)
+            save_unfull_chunk=self.config.save_unfull_chunk, save_decode_cache=self.config.save_decode_cache,
+            whole_prompt_only=self.config.enable_blending)
         if req_meta is not None:
             meta.add_request(req_meta)
 

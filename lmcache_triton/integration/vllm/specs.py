@@ -135,8 +135,11 @@ class ReqMeta:
     @classmethod
     def from_request_tracker(cls, tracker: RequestTracker, block_size: int, chunk_size: int, *,
                              load_spec: LoadSpec | None = None, save_unfull_chunk: bool = False,
-                             save_decode_cache: bool = False) -> ReqMeta | None:
-        """What the workers must do for this request in this step; None when nothing."""
+                             save_decode_cache: bool = False, whole_prompt_only: bool = False) -> ReqMeta | None:
+        """What the workers must do for this request in this step; None when nothing.
+
+        `whole_prompt_only` (CacheBlend): segments end at separators, not chunk boundaries, so the
+        prompt is saved once, at its last prefill step."""
         num_tokens = len(tracker.token_ids)
         is_last_prefill = num_tokens >= tracker.prompt_len
         # Save when the new tokens complete a chunk past what is saved (or finish the prefill).
@@ -147,6 +150,7 @@ class ReqMeta:
             or request_skip
             or (tracker.is_decode_phase and not save_decode_cache)
             or (num_tokens < next_boundary and not (is_last_prefill and save_unfull_chunk))
+            or (whole_prompt_only and not is_last_prefill)
         )
         if skip_save and load_spec is None:
             return None

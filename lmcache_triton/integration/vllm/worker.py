@@ -15,7 +15,7 @@ import torch
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache_triton.gpu_connector import create_gpu_connector
-from lmcache_triton.integration.vllm.common import engine_id, is_cpu_platform, world_size
+from lmcache_triton.integration.vllm.common import cpu_blocks_opaque, engine_id, is_cpu_platform, world_size
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
@@ -59,6 +59,7 @@ class WorkerSide:
         self.storers: dict[str, Generator] = {}
         self.invalid_block_ids: set[int] = set()
         self.instance_id = ""
+        self.blender = None
 
     # ---- set-up --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -69,7 +70,7 @@ class WorkerSide:
                                                 cpu_backend=is_cpu_platform())
         geo = kv_geometry(self.kvcaches[0], layout)
         chunk = self.config.chunk_size
-        if layout == "vllm_cpu" and chunk % geo.block_size:
+        if cpu_blocks_opaque() and chunk % geo.block_size:
             raise ValueError(
                 f"lmcache chunk_size={chunk} must be a multiple of vLLM's block_size={geo.block_size} on the CPU "
                 "backend (it moves whole blocks): set lmcache.chunk_size or --block-size accordingly")
@@ -82,11 +83,59 @@ class WorkerSide:
             use_mla=geo.use_mla)
         connector = create_gpu_connector(self.config, metadata, layout, device=self.kvcaches[0].device)
         self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
-        self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.config, metadata, connector)
+        token_database = self._segment_database(metadata) if self.config.enable_blending else None
+        self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.config, metadata, connector,
+                                                         token_database=token_database)
+        if self.config.enable_blending:
+            self._start_blending(connector, layout)
         server_cls = LMCacheAsyncLookupServer if self.config.enable_async_loading else LMCacheLookupServer
         self.lookup_server = server_cls(self.engine, engine_id(self.vllm_config), rank)
         logger.info("lmcache_triton worker ready: %d layers, layout %s, block_size %d", len(self.kvcaches), layout,
                     geo.block_size)
+
+    # ---- CacheBlend ----------------------------------------------------------------------------
+    def _segment_database(self, metadata: LMCacheEngineMetadata):
+        from transformers import AutoTokenizer
+
+        from lmcache_triton.blend import SegmentTokenDatabase
+
+        mc = self.vllm_config.model_config
+        tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        return SegmentTokenDatabase.from_config(self.config, metadata, tokenizer)
+
+    def _start_blending(self, connector: Any, layout: str) -> None:
+        """The blender runs vLLM's own loaded model layer by layer; fail here, at start, if that
+        cannot work, not at the first request."""
+        from lmcache_triton.blend import LMCBlenderBuilder
+        from lmcache_triton.integration.vllm.model_hook import loaded_model
+        from lmcache_triton.kernels import rope_rerotate
+
+        if cpu_blocks_opaque():
+            raise RuntimeError("lmcache_triton: enable_blending is not supported by vLLM's CPU backend on AMX CPUs")
+        model = loaded_model()
+        if model is None:
+            raise RuntimeError(
+                "lmcache_triton: enable_blending needs the loaded model, which the lmcache_triton vLLM plugin "
+                "captures from the model runner's load_model. It did not run: install lmcache-triton in vLLM's "
+                "environment (its vllm.general_plugins entry point), keep VLLM_PLUGINS unset or include "
+                "'lmcache_triton', and on vLLM 0.33 CUDA use the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+        blender = LMCBlenderBuilder.get_or_create(self.instance_id, self.engine, connector, self.config, model=model)
+        rot = blender.model.rotary
+        heads, head_size = blender.model.num_kv_heads, blender.model.head_size
+
+        def to_position_zero(k: torch.Tensor, start: int) -> None:
+            k3 = k.view(k.shape[0], heads, head_size)
+            pos = torch.arange(start, start + k.shape[0], device=k.device)
+            rope_rerotate(k3, pos, pos - start, rot.cos_sin_cache.to(k.device), is_neox=rot.is_neox,
+                          rotary_dim=rot.rotary_dim, out=k3)
+
+        self.engine.key_rotation = to_position_zero
+        self.blender = blender
+
+    def _blend(self, req: ReqMeta, n: int) -> None:
+        tokens = torch.tensor(req.token_ids[:n], dtype=torch.int64)
+        slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
+        self.blender.blend_request(tokens, kvcaches=self.kvcaches, slot_mapping=slots, namespace=req.namespace)
 
     # ---- loads ---------------------------------------------------------------------------------
     def _meta(self) -> LMCacheConnectorMetadata:
@@ -116,7 +165,9 @@ class WorkerSide:
             kw = dict(kvcaches=self.kvcaches, slot_mapping=slots, namespace=req.namespace,
                       extra_hashes=req.extra_hashes)
             try:
-                if self.engine.layerwise:
+                if self.blender is not None:
+                    self._blend(req, n)
+                elif self.engine.layerwise:
                     retriever = self.engine.retrieve_layer(tokens, expected, **kw)
                     entry = (req, retriever, expected, slots)
                     self.retrievers.append(entry)
@@ -153,6 +204,8 @@ class WorkerSide:
             return None
         mask = torch.ones(len(req.token_ids), dtype=torch.bool)
         mask[:skip] = False
+        if self.blender is not None:
+            mask = None  # segments, not a prefix: each is stored once, whatever was loaded
         kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping.to(self.kvcaches[0].device),
                   namespace=req.namespace, extra_hashes=req.extra_hashes)
         return req.token_ids, mask, kw
