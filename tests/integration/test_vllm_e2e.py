@@ -113,14 +113,19 @@ def test_producer_saves_consumer_loads(run_vllm, tiny_model, baseline, tmp_path)
     assert [s["tokens"] for s in consumer["steps"]] == [baseline["P"], baseline["Q"], baseline["Q"]]
 
 
-def test_cacheblend_reuses_documents_in_another_order(run_vllm, tiny_model, tmp_path, free_port):
-    """RAG-shaped prompts: documents separated by " # # " (the word-level tokenizer reads "#" as
-    <unk>, id 3). The second prompt holds the same documents in another order: they are not a
-    prefix, yet the connector reports them as external hits and the worker blends them."""
+def _rag_prompts() -> tuple[list[int], list[int]]:
     sep = [3, 3]
     d1, d2, d3 = (random_prompt(200, seed=s) for s in (11, 12, 13))
     first = d1 + sep + d2 + sep + d3 + sep + random_prompt(20, seed=14)
     second = d3 + sep + d1 + sep + d2 + sep + random_prompt(20, seed=15)
+    return first, second
+
+
+def test_cacheblend_reuses_documents_in_another_order(run_vllm, tiny_model, tmp_path, free_port):
+    """RAG-shaped prompts: documents separated by " # # " (the word-level tokenizer reads "#" as
+    <unk>, id 3). The second prompt holds the same documents in another order: they are not a
+    prefix, yet the connector reports them as external hits and the worker blends them."""
+    first, second = _rag_prompts()
     port = free_port()
     conn = _conn(use_layerwise=True, enable_blending=True, blend_min_tokens=64, blend_check_layers=[1],
                  blend_recompute_ratios=[0.15], prometheus_port=port)
@@ -132,3 +137,15 @@ def test_cacheblend_reuses_documents_in_another_order(run_vllm, tiny_model, tmp_
     assert len(blended["tokens"]) == 8
     loaded = [line for line in scrape["scrape"].splitlines() if line.startswith("lmcache_triton_hit_tokens_total{")]
     assert loaded and float(loaded[0].rsplit(" ", 1)[1]) == 600, "the three documents' KV was loaded"
+
+
+def test_cacheblend_ratio_one_equals_full_prefill(run_vllm, tiny_model, tmp_path):
+    """Recomputing every token (ratio 1.0) must give exactly what vLLM computes without the cache:
+    this checks the blender's layer-by-layer run of vLLM's own model and the write-back."""
+    first, second = _rag_prompts()
+    full = run_vllm(tmp_path, {"model": tiny_model, "connector": None, "steps": [{"prompt": second}]})
+    conn = _conn(use_layerwise=True, enable_blending=True, blend_min_tokens=64, blend_check_layers=[1],
+                 blend_recompute_ratios=[1.0])
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [{"prompt": first}, {"prompt": second}]})
+    assert r["steps"][1]["cached"] == len(second) - 1
+    assert r["steps"][1]["tokens"] == full["steps"][0]["tokens"]
