@@ -90,7 +90,7 @@ def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabe
     plt = pyplot()
     series = list(dict.fromkeys(s for g in groups.values() for s in g))
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(series)) * 0.6), 4.5))
+    fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 0.4 * len(groups) * max(1, len(series)))), 4.5))
     for i, s in enumerate(series):
         xs = [j + i * width for j, g in enumerate(groups.values()) if s in g]
         ys = [g[s] for g in groups.values() if s in g]

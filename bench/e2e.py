@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,6 @@ class ChildSpec:
     workload: Workload
     cpu_size_gb: float = 2.0
     out: str = ""
-    requests: list[Request] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- child: one vLLM, both workloads
@@ -130,7 +129,9 @@ def run_child(spec_path: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, max_model_len=w.max_model_len(),
               max_num_seqs=max(w.users, w.docs, 1), disable_log_stats=False, seed=0, **kw)
-    rec = {"config": spec["config"], "start_s": time.perf_counter() - t0, "ttft_source":
+    # The host's load around the run: on a shared machine a config that ran beside other jobs shows it.
+    rec = {"config": spec["config"], "loadavg_1m": [os.getloadavg()[0]], "start_s": time.perf_counter() - t0,
+           "ttft_source":
            "RequestOutput.metrics.first_token_latency", "wall_s": {"multi_round_qa": 0.0, "long_doc_qa": 0.0},
            "requests": []}
     # One-time costs (first forward, first load faulting in the CPU tier's pages) are not what a
@@ -151,6 +152,7 @@ def run_child(spec_path: str) -> None:
     for q in progress(range(w.questions), total=w.questions, desc=f"{spec['config']}: long-doc QA"):
         _round(llm, "long_doc_qa", q, [docs[d] + _ids(w.question_tokens, 3, d, q, w=w) for d in range(w.docs)],
                w, rec)
+    rec["loadavg_1m"].append(os.getloadavg()[0])
     Path(spec["out"]).write_text(json.dumps(rec))
     del llm  # shuts the engine down: the connector drains its pending writes
 
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {**context(), "model": model, "workload": asdict(w), "summary": summary,
               "ttft_source": {c: r["ttft_source"] for c, r in records.items()},
               "start_s": {c: r["start_s"] for c, r in records.items()},
+              "loadavg_1m": {c: r["loadavg_1m"] for c, r in records.items()},
               "requests": {c: r["requests"] for c, r in records.items()}}
     _print(result, w)
     path = write_json("e2e", result)
@@ -255,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print(result: dict, w: Workload) -> None:
     print(f"\n{result['device']}  model {result['model']}")
+    print("host load (1-min average, start -> end of each config): " +
+          ", ".join(f"{c} {a:.1f} -> {b:.1f}" for c, (a, b) in result["loadavg_1m"].items()))
     titles = {"multi_round_qa": f"multi-round QA: {w.users} users x {w.rounds} rounds, system {w.system_tokens} "
                                 f"+ question {w.question_tokens} + answers of {w.answer_tokens} tokens",
               "long_doc_qa": f"long-document QA: {w.docs} docs x {w.doc_tokens} tokens, {w.questions} questions each"}

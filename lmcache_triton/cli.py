@@ -1,4 +1,4 @@
-"""`lmcache-triton`: info, demo (and later server, bench, stats)."""
+"""`lmcache-triton`: info, demo, server, stats, bench."""
 
 from __future__ import annotations
 
@@ -46,6 +46,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_vllm_demo(model=args.model, tokens=args.tokens or 4096, disk=args.disk)
 
 
+def cmd_bench(argv: list[str]) -> int:
+    """Forwards to bench/cli.py. The bench package lives in the source tree beside lmcache_triton
+    (it is not installed), so the checkout's root goes on sys.path when `bench` is not importable."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        from bench.cli import main as bench_main
+    except ImportError:
+        if not (root / "bench" / "cli.py").exists():
+            print("`lmcache-triton bench` needs a source checkout (the bench/ folder beside lmcache_triton/)",
+                  file=sys.stderr)
+            return 2
+        sys.path.insert(0, str(root))
+        from bench.cli import main as bench_main
+    return bench_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-triton", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,10 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_parser(sub)
     add_stats_parser(sub)
+    # Listed for --help only: main() hands everything after `bench` to bench/cli.py untouched.
+    sub.add_parser("bench", add_help=False,
+                   help="benchmarks: bench {kernels,engine,storage,e2e,compare,ttft} [args...] (needs a checkout)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,99 @@
+"""Smoke tests of the bench harness: the commands run and write what they promise. No timings are
+asserted here (speed is measured by the benches, never in tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.common import percentile
+from bench.compare import ratio
+from bench.e2e import summarize
+
+
+def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # what a CPU host runs: the torch path
+    # From outside the checkout: `lmcache-triton bench` must find bench/ on its own.
+    return subprocess.run([sys.executable, "-m", "lmcache_triton.cli", "bench", *args], capture_output=True,
+                          text=True, timeout=180, cwd=cwd, env=env)
+
+
+def _written(stdout: str) -> list[Path]:
+    return [Path(p) for p in re.findall(r"wrote (\S+)", stdout)]
+
+
+@pytest.mark.slow
+def test_bench_engine_writes_json(tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+        plot = ["--plot"]
+    except ImportError:
+        plot = []
+    r = _bench("engine", "--tokens", "512", "--layers", "2", "--repeats", "1", *plot, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = _written(r.stdout)
+    try:
+        data = json.loads(next(p for p in files if p.suffix == ".json").read_text())
+        for key in ("device", "commit", "time", "store_gbps", "retrieve_gbps", "lookup_ms", "plain_copy_gbps"):
+            assert key in data, key
+        assert data["tokens"] == 512 and data["layers"] == 2
+        if plot:
+            assert any(p.suffix == ".png" and p.stat().st_size > 0 for p in files)
+    finally:
+        for p in files:
+            p.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_bench_kernels_quick_tiny_case(tmp_path):
+    r = _bench("kernels", "--quick", "--models", "llama3-8b", "--tokens", "32", "--block-sizes", "16",
+               "--repeats", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = _written(r.stdout)
+    try:
+        data = json.loads(next(p for p in files if p.suffix == ".json").read_text())
+        assert data["rows"] and {"gbps", "direction", "model"} <= set(data["rows"][0])
+    finally:
+        for p in files:
+            p.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("command, flags", [("e2e", ["--users", "--rounds", "--docs", "--configs"]),
+                                            ("compare", ["--cases", "--lmcache-version", "--plot"])])
+def test_bench_help(tmp_path, command, flags):
+    r = _bench(command, "--help", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert all(f in r.stdout for f in flags)
+
+
+def test_bench_unknown_command_is_an_error(tmp_path):
+    r = _bench("nope", cwd=tmp_path)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_percentile_nearest_rank():
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0 and percentile([3.0], 99) == 3.0
+
+
+def test_e2e_summary_math():
+    rec = {"wall_s": {"long_doc_qa": 2.0}, "requests": [
+        {"workload": "long_doc_qa", "round": 0, "prompt_tokens": 100, "cached_tokens": 0, "ttft_s": 0.3,
+         "generated_tokens": 10},
+        {"workload": "long_doc_qa", "round": 1, "prompt_tokens": 100, "cached_tokens": 100, "ttft_s": 0.1,
+         "generated_tokens": 10}]}
+    s = summarize(rec, "long_doc_qa")
+    assert s["hit_rate"] == 0.5 and s["generated_tokens_per_s"] == 10.0 and s["requests_per_s"] == 1.0
+    assert s["ttft_mean_ms_by_round"] == pytest.approx([300, 100]) and s["ttft_mean_ms"] == pytest.approx(200)
+
+
+def test_compare_ratio_keeps_reasons():
+    assert ratio(4.0, 2.0, True) == 2.0 and ratio(1.0, 2.0, False) == 2.0
+    assert ratio(4.0, "not comparable: x", True) == "not comparable: x"
