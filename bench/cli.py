@@ -17,6 +17,36 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+# `storage` runs two modules with different flags: each gets its own (value-taking flags map to 1),
+# and --repeats, which both have under different names, becomes remote's --reps.
+_STORAGE_FLAGS = {"bench.storage_local": {"--repeats": 1, "--layers": 1, "--tokens": 1, "--hidden": 1, "--dir": 1,
+                                          "--fsync": 0},
+                  "bench.storage_remote": {"--reps": 1, "--no-redis": 0}}
+
+
+def argv_for(module: str, argv: list[str]) -> list[str]:
+    """The part of `argv` a storage module accepts (others get argv unchanged)."""
+    if module not in _STORAGE_FLAGS or any(a in ("-h", "--help") for a in argv):
+        return list(argv)
+    own, out, i = _STORAGE_FLAGS[module], [], 0
+    while i < len(argv):
+        flag, _, inline = argv[i].partition("=")
+        if module == "bench.storage_remote" and flag == "--repeats":
+            flag = "--reps"
+        other = next(f for m, f in _STORAGE_FLAGS.items() if m != module)
+        n = own.get(flag)
+        if n is None and flag in other:  # the other module's flag: skip it and its value
+            i += 1 + (other[flag] if not inline else 0)
+            continue
+        if n is None:  # nobody's flag: pass it on, so the module's argparse names the mistake
+            out.append(argv[i])
+            i += 1
+            continue
+        out += [f"{flag}={inline}"] if inline else [flag, *argv[i + 1:i + 1 + n]]
+        i += 1 + (n if not inline else 0)
+    return out
+
+
 @dataclass(frozen=True)
 class Command:
     modules: tuple[str, ...]   # run in order with the same argv (storage = local then remote)
@@ -96,7 +126,7 @@ def _run_modules(cmd: Command, argv: list[str], plot: bool) -> int:
     rc = 0
     for module in cmd.modules:
         since = time.time() - 1
-        out = importlib.import_module(module).main(list(argv))
+        out = importlib.import_module(module).main(argv_for(module, argv))
         if isinstance(out, int) and out != 0:
             rc = out
         if plot:

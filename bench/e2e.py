@@ -201,8 +201,9 @@ def _run_config(config: str, model: str, w: Workload, cpu_size_gb: float, tmp: P
 def _plot(result: dict, path: Path) -> Path:
     from bench.common import plot_bars
 
-    groups = {f"{wl}\n{stat}": {c: s[wl][f"ttft_{stat}_ms"] for c, s in result["summary"].items()}
-              for wl in ("multi_round_qa", "long_doc_qa") for stat in ("mean", "p50", "p99")}
+    names = {"multi_round_qa": "multi-round", "long_doc_qa": "long-doc"}
+    groups = {f"{names[wl]}\n{stat}": {c: s[wl][f"ttft_{stat}_ms"] for c, s in result["summary"].items()}
+              for wl in names for stat in ("mean", "p50", "p99")}
     return plot_bars(path, "TTFT on vLLM, without and with lmcache_triton", groups, "TTFT (ms)")
 
 

@@ -97,3 +97,11 @@ def test_e2e_summary_math():
 def test_compare_ratio_keeps_reasons():
     assert ratio(4.0, 2.0, True) == 2.0 and ratio(1.0, 2.0, False) == 2.0
     assert ratio(4.0, "not comparable: x", True) == "not comparable: x"
+
+
+def test_storage_flags_go_to_the_module_that_has_them():
+    from bench.cli import argv_for
+
+    argv = ["--repeats", "2", "--no-redis", "--dir", "/x", "--fsync", "--bogus"]
+    assert argv_for("bench.storage_local", argv) == ["--repeats", "2", "--dir", "/x", "--fsync", "--bogus"]
+    assert argv_for("bench.storage_remote", argv) == ["--reps", "2", "--no-redis", "--bogus"]
