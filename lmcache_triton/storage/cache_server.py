@@ -465,6 +465,9 @@ def add_stats_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("url", help="lm://host:port")
     p.add_argument("--auth-token", default=None, help=f"default: ${AUTH_TOKEN_ENV}")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.add_argument("--watch", type=float, metavar="SECONDS", default=None,
+                   help="a live view: print the statistics again every SECONDS until interrupted")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many views")
     p.set_defaults(func=run_stats)
     return p
 
@@ -479,15 +482,27 @@ def run_stats(args: argparse.Namespace) -> int:
         return 2
     client = CacheServerClient(host, port, timeout_s=args.timeout,
                                auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV))
+    views = 0
     try:
-        stats = client.stats()
-    except RemoteError as e:
-        print(f"lmcache-triton stats: {e}", file=sys.stderr)
-        return 1
+        while True:
+            try:
+                stats = client.stats()
+            except RemoteError as e:
+                print(f"lmcache-triton stats: {e}", file=sys.stderr)
+                if args.watch is None:
+                    return 1
+            else:
+                if args.watch is not None:
+                    print(time.strftime("%H:%M:%S"), flush=True)
+                print(json.dumps(stats, indent=2), flush=True)
+            views += 1
+            if args.watch is None or (args.count is not None and views >= args.count):
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
     finally:
         client.close()
-    print(json.dumps(stats, indent=2))
-    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

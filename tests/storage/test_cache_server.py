@@ -251,6 +251,9 @@ def test_stats_command(cache_server, capsys) -> None:
     assert '"keys": 0' in capsys.readouterr().out
     args = parser.parse_args(["stats", "lm://nohost"])
     assert args.func(args) == 2 and "lm://host:port" in capsys.readouterr().err
+    args = parser.parse_args(["stats", cache_server.url, "--watch", "0.05", "--count", "3"])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.count('"keys"') == 3, "a live view prints the statistics again and again"
 
 
 def test_req_socket_client_works(cache_server) -> None:
