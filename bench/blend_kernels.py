@@ -18,35 +18,15 @@ select_recompute_tokens (a sort over T floats) is reported in microseconds only.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
-from bench.common import context, median, write_json
+from bench.common import context, make_timer, write_json
 from lmcache_triton.kernels import (kv_deviation, kv_deviation_ref, num_recompute_tokens, paged_copy,
                                     rope_rerotate, rope_rerotate_ref, select_recompute_tokens,
                                     select_recompute_tokens_ref, selective_write, selective_write_ref)
 
 NUM_KV_HEADS, HEAD_SIZE, MAX_POSITION, DTYPE = 8, 128, 8192, torch.bfloat16
-
-
-def _timer(cuda: bool, repeats: int) -> Callable[[Callable[[], object]], float]:
-    """Median seconds of fn()."""
-    if cuda:
-        import triton.testing
-        return lambda fn: triton.testing.do_bench(fn, warmup=5, rep=max(20, repeats * 5),
-                                                  return_mode="median") / 1e3
-
-    def cpu(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return median(times)
-    return cpu
 
 
 def _cos_sin_cache(device: str) -> torch.Tensor:
@@ -57,7 +37,7 @@ def _cos_sin_cache(device: str) -> torch.Tensor:
 
 def run(num_tokens: int, ratio: float, repeats: int, device: str) -> list[dict]:
     cuda = device == "cuda"
-    timer = _timer(cuda, repeats)
+    timer = make_timer(cuda, repeats)
     g = torch.Generator().manual_seed(0)
     hidden = NUM_KV_HEADS * HEAD_SIZE
     elem = torch.empty(0, dtype=DTYPE).element_size()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import platform
 import statistics
 import subprocess
@@ -35,6 +36,27 @@ def context() -> dict[str, str]:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def make_timer(cuda: bool, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """A function giving the median seconds of fn(): triton's do_bench on CUDA, wall clock on CPU."""
+    if cuda:
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=5, rep=max(20, repeats * 5),
+                                                  return_mode="median") / 1e3
+    return lambda fn: median_seconds(fn, repeats)
 
 
 def write_json(name: str, payload: dict) -> Path:

@@ -18,13 +18,12 @@ import argparse
 import csv
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, context, median, write_json
+from bench.common import RESULTS, context, make_timer, write_json
 from lmcache_triton.kernels import (paged_gather, paged_gather_layer, paged_gather_layer_ref, paged_gather_ref,
                                     paged_scatter, paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref)
 from lmcache_triton.kernels import paged_copy, tuning
@@ -75,24 +74,6 @@ class Row:
     copy_gbps: float    # plain copy of the same bytes: the physical limit
     vs_ref: float
     vs_copy: float
-
-
-def _timer(cuda: bool, repeats: int) -> Callable[[Callable[[], object]], float]:
-    """Median seconds of fn()."""
-    if cuda:
-        import triton.testing
-        return lambda fn: triton.testing.do_bench(fn, warmup=5, rep=max(20, repeats * 5),
-                                                  return_mode="median") / 1e3
-
-    def cpu(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return median(times)
-    return cpu
 
 
 def _case(model: Model, layout: str, block_size: int, num_tokens: int, device: str, chunk_on: str,
@@ -157,7 +138,7 @@ def _plain_copy_gbps(nbytes: int, device: str, chunk_on: str, direction: str, ti
 def sweep(models: list[str], tokens: list[int], block_sizes: list[int], repeats: int) -> list[Row]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    timer, plain, rows = _timer(cuda, repeats), {}, []
+    timer, plain, rows = make_timer(cuda, repeats), {}, []
     for name, bs, t in itertools.product(models, block_sizes, tokens):
         model = MODELS[name]
         layout = model.layout if cuda or model.layout == "mla" else "vllm_cpu"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import context, median, write_json
+from bench.common import context, median, median_seconds, write_json
 from lmcache_triton.memory import MemoryFormat, MemoryObj, TensorMemoryPool
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_disk import LocalDiskBackend
@@ -32,17 +32,6 @@ from lmcache_triton.storage.serde import deserialize, serialize
 from lmcache_triton.token_database import CacheEngineKey
 
 FMT = MemoryFormat.KV_2LTD
-
-
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `repeats` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
 
 
 def _time_interleaved(fns: list[Callable[[], object]], repeats: int) -> list[float]:
@@ -84,8 +73,8 @@ def bench_serde(t: torch.Tensor, kind: str, repeats: int) -> list[dict]:
     out = torch.empty_like(t)
     for comp in ("naive", "lz4"):
         data = serialize("bench", t, FMT, comp)
-        s = _time(lambda: serialize("bench", t, FMT, comp), repeats)
-        d = _time(lambda: deserialize(data, out=out), repeats)
+        s = median_seconds(lambda: serialize("bench", t, FMT, comp), repeats)
+        d = median_seconds(lambda: deserialize(data, out=out), repeats)
         assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
         rows.append({"bench": "serde", "data": kind, "compression": comp, "raw_bytes": nbytes,
                      "stored_bytes": len(data), "ratio": nbytes / len(data),

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from bench.common import context, median, write_json
+from bench.common import context, median_seconds, write_json
 from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage import serde
 from lmcache_triton.storage.remote import CacheServerClient, create_remote_backend
@@ -51,16 +51,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up (connections, first-touch of pages)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return median(times)
-
-
 def _wait_for(cond: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 10
     while not cond():
@@ -80,7 +70,7 @@ def _bench_backend(url: str, obj, key, pool, reps: int) -> tuple[float, float]:
         assert got is not None, f"get from {url} missed: {b.stats()}"
         got.free()
 
-    result = _time(put, reps), _time(get, reps)
+    result = median_seconds(put, reps), median_seconds(get, reps)
     b.close()
     return result
 
@@ -121,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             sock.send_multipart([b"G"])
             sock.recv_multipart(copy=False)
 
-        row("lm:// raw zmq", _time(raw_put, args.reps), _time(raw_get, args.reps))
+        row("lm:// raw zmq", median_seconds(raw_put, args.reps), median_seconds(raw_get, args.reps))
         sock.close(0)
 
         # the cache server
@@ -131,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         client = CacheServerClient("127.0.0.1", port, timeout_s=30.0)
         _wait_for(lambda: client.health(0.2), "cache server")
         k = key.to_string().encode()
-        row("lm:// client", _time(lambda: client.put(k, data), args.reps), _time(lambda: client.get(k), args.reps))
+        row("lm:// client", median_seconds(lambda: client.put(k, data), args.reps), median_seconds(lambda: client.get(k), args.reps))
         client.close()
         row("lm:// backend", *_bench_backend(f"lm://127.0.0.1:{port}", obj, key, pool, args.reps))
 
@@ -154,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     return False
 
             _wait_for(up, "redis-server")
-            row("redis raw SET/GET", _time(lambda: r.set("raw", data), args.reps),
-                _time(lambda: r.get("raw"), args.reps))
+            row("redis raw SET/GET", median_seconds(lambda: r.set("raw", data), args.reps),
+                median_seconds(lambda: r.get("raw"), args.reps))
             row("redis backend", *_bench_backend(f"redis://127.0.0.1:{port}/0", obj, key, pool, args.reps))
     finally:
         for p in procs:
