@@ -5,6 +5,7 @@ vLLM's CPU block size 128 and lmcache chunk 256. `cached` is vLLM's RequestOutpu
 with the prefix cache off, every cached token was loaded through the connector.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -149,3 +150,13 @@ def test_cacheblend_ratio_one_equals_full_prefill(run_vllm, tiny_model, tmp_path
     r = run_vllm(tmp_path, {"model": tiny_model, "connector": conn, "steps": [{"prompt": first}, {"prompt": second}]})
     assert r["steps"][1]["cached"] == len(second) - 1
     assert r["steps"][1]["tokens"] == full["steps"][0]["tokens"]
+
+
+def test_demo_command(tiny_model, tmp_path):
+    """`make demo`'s main job, on the tiny model: warm loads, outputs match, exit status 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_") and k != "TRITON_INTERPRET"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    r = subprocess.run([sys.executable, "-m", "lmcache_triton.cli", "demo", "--model", tiny_model, "--tokens", "1024"],
+                       capture_output=True, text=True, timeout=400, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "outputs match an uncached run: True" in r.stdout and "(1023 tokens loaded" in r.stdout
