@@ -227,14 +227,25 @@ class LMCacheEngine:
             objs_by_chunk.append(objs)
         by_layer = [[objs[layer] for objs in objs_by_chunk] for layer in range(num_layers)]
         mover = self.gpu_connector.batched_from_gpu(by_layer, starts, ends, **kwargs)
-        for layer in range(num_layers):
-            next(mover)
+        complete = False
+        try:
+            for layer in range(num_layers):
+                next(mover)
+                yield
+            # One wait for all layers' copies, after the last one: a wait per layer would stall
+            # the forward between layers. Only then do the chunks become visible to readers.
             _sync(kwargs.get("kvcaches"))
-            if self.key_rotation is not None:
-                for obj, start in zip(by_layer[layer], starts):
-                    self.key_rotation(obj.tensor[:, 0], start)
-            self.storage_manager.batched_put([k.with_layer(layer) for k in keys], by_layer[layer])
-            yield
+            for layer in range(num_layers):
+                if self.key_rotation is not None:
+                    for obj, start in zip(by_layer[layer], starts):
+                        self.key_rotation(obj.tensor[:, 0], start)
+                self.storage_manager.batched_put([k.with_layer(layer) for k in keys], by_layer[layer])
+            complete = True
+        finally:  # closed early or failed: nothing was put, so the objects are still ours to free
+            if not complete:
+                _sync(kwargs.get("kvcaches"))
+                for obj in (o for objs in objs_by_chunk for o in objs):
+                    obj.free()
         stored = sum(e - s for s, e in zip(starts, ends))
         self.stats_monitor.on_store(stored, stored * self.metadata.bytes_per_token(),
                                     time.perf_counter() - t0, refusals)
@@ -278,17 +289,15 @@ class LMCacheEngine:
             ret_mask[start:end] = True
         by_layer = [[objs[layer] for objs in objs_by_chunk] for layer in range(num_layers)]
         mover = self.gpu_connector.batched_to_gpu(by_layer, starts, ends, **kwargs)
-        done = 0
         try:
             for layer in range(num_layers):
-                next(mover)
-                _sync(kwargs.get("kvcaches"))
-                for k, obj in zip(keys, by_layer[layer]):
-                    self.storage_manager.release(k.with_layer(layer), obj)
-                done = layer + 1
+                next(mover)  # the connector orders vLLM's stream after this layer's copy
                 yield None
-        finally:  # a generator closed early, or failing, still releases its pins
-            for layer in range(done, num_layers):
+        finally:
+            # The copies read the objects until they land: one wait, then release every pin (also
+            # when the generator is closed early or fails).
+            _sync(kwargs.get("kvcaches"))
+            for layer in range(num_layers):
                 for k, obj in zip(keys, by_layer[layer]):
                     self.storage_manager.release(k.with_layer(layer), obj)
         hit = int(ret_mask.sum())

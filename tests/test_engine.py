@@ -203,3 +203,20 @@ def test_layerwise_generators_step_one_layer_at_a_time():
     assert next(retriever).all()
     assert torch.equal(paged_gather(dst, slots, "vllm_cpu"), paged_gather(src, slots, "vllm_cpu"))
     assert engine.storage_manager.cpu.num_pinned == 0, "a finished load leaves nothing pinned"
+
+
+def test_layerwise_generators_closed_early_leak_nothing():
+    engine, caches = _setup(layerwise=True)
+    src = caches(g=torch.Generator().manual_seed(0))
+    tokens = torch.arange(2 * CHUNK)
+    slots = _slots(len(tokens), 1)
+    storer = engine.store_layer(tokens, kvcaches=src, slot_mapping=slots)
+    next(storer)
+    storer.close()  # vLLM gave up on the step: nothing stored, the pool gets its bytes back
+    assert engine.lookup(tokens) == 0 and engine.storage_manager.cpu.used_bytes == 0
+    engine.store(tokens, kvcaches=src, slot_mapping=slots)
+    retriever = engine.retrieve_layer(tokens, kvcaches=caches(fill=0), slot_mapping=slots)
+    next(retriever)
+    assert engine.storage_manager.cpu.num_pinned > 0
+    retriever.close()
+    assert engine.storage_manager.cpu.num_pinned == 0, "a load closed early releases its pins"

@@ -55,7 +55,7 @@ class WorkerSide:
         self.lookup_server: LMCacheLookupServer | None = None
         self.kvcaches: list[torch.Tensor] = []
         self.block_size = vllm_config.cache_config.block_size
-        self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor, torch.Tensor]] = []
+        self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor]] = []
         self.storers: dict[str, Generator] = {}
         self.invalid_block_ids: set[int] = set()
         self.instance_id = ""
@@ -169,7 +169,7 @@ class WorkerSide:
                     self._blend(req, n)
                 elif self.engine.layerwise:
                     retriever = self.engine.retrieve_layer(tokens, expected, **kw)
-                    entry = (req, retriever, expected, slots)
+                    entry = (req, retriever, expected)
                     self.retrievers.append(entry)
                     self._advance(entry)  # layer 0 now, layer 1 ahead of its forward
                     self._advance(entry)
@@ -179,8 +179,8 @@ class WorkerSide:
                 logger.exception("lmcache_triton: load of request %s failed", req.req_id)
                 self._record_failed(req, expected, None)
 
-    def _advance(self, entry: tuple[ReqMeta, Generator, torch.Tensor, torch.Tensor]) -> None:
-        req, retriever, expected, _ = entry
+    def _advance(self, entry: tuple[ReqMeta, Generator, torch.Tensor]) -> None:
+        req, retriever, expected = entry
         try:
             out = next(retriever, None)
         except Exception:
