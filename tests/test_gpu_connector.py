@@ -1,7 +1,9 @@
 """Each GPU connector x each vLLM layout, through the real engine: exact bytes, nothing else touched.
 
 The oracle is the torch reference (`*_ref`); the connectors move bytes with the Triton kernels
-(through the interpreter on a CPU host, see the root conftest).
+(through the interpreter on a CPU host, see the root conftest). On a CUDA host the `cuda` cases
+(marked `gpu`) run the same round trips natively: caches on the GPU, chunks in the engine's pinned
+host pool, the layerwise connectors on their side stream.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ SENTINEL = -7.0
 LAYOUTS = [pytest.param(layout, order, id=f"{layout}-{order}" if layout == "vllm_packed" else layout)
            for layout, order in (("vllm_packed", "LBNHC"), ("vllm_packed", "BHLNC"), ("vllm_cpu", "LBNHC"),
                                  ("flash_attn", "LBNHC"), ("flashinfer", "LBNHC"), ("mla", "LBNHC"))]
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs a CUDA device")))]
 CONNECTORS = {
     "v2": (VLLMPagedMemGPUConnectorV2, dict()),
     "layerwise": (VLLMPagedMemLayerwiseGPUConnector, dict(use_layerwise=True)),
@@ -37,7 +42,7 @@ def _destroy_engines():
         LMCacheEngineBuilder.destroy(name)
 
 
-def setup(kind: str, layout: str, order: str):
+def setup(kind: str, layout: str, order: str, device: str = "cpu"):
     mla = layout == "mla"
     heads, head = (1, MLA_C) if mla else (HEADS, HEAD)
     cls, flags = CONNECTORS[kind]
@@ -47,9 +52,10 @@ def setup(kind: str, layout: str, order: str):
                                      kv_shape=(LAYERS, 1 if mla else 2, CHUNK, heads, head), use_mla=mla)
     connector = create_gpu_connector(config, metadata, layout)
     assert type(connector) is cls
-    engine = LMCacheEngineBuilder.get_or_create(f"conn-{kind}-{layout}-{order}", config, metadata, connector)
+    engine = LMCacheEngineBuilder.get_or_create(f"conn-{kind}-{layout}-{order}-{device}", config, metadata,
+                                                connector)
     geo = dict(num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=heads, head_size=head,
-               dtype=torch.bfloat16, order=order)
+               dtype=torch.bfloat16, order=order, device=device)
     return engine, connector, (lambda fill=None, g=None: make_kv_caches(layout, fill=fill, generator=g, **geo))
 
 
@@ -61,21 +67,22 @@ def check_paged(layout, src, src_slots, dst, dst_slots, caches):
     """dst holds src's tokens at dst_slots; every other slot still holds the sentinel."""
     assert torch.equal(bits(paged_gather_ref(dst, dst_slots, layout)), bits(paged_gather_ref(src, src_slots, layout)))
     untouched = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
-    untouched[dst_slots] = False
+    untouched[dst_slots.cpu()] = False
     rest = untouched.nonzero().squeeze(1)
     assert torch.equal(bits(paged_gather_ref(dst, rest, layout)),
                        bits(paged_gather_ref(caches(fill=SENTINEL), rest, layout)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", list(CONNECTORS))
 @pytest.mark.parametrize("layout,order", LAYOUTS)
-def test_round_trip(kind, layout, order):
-    engine, connector, caches = setup(kind, layout, order)
+def test_round_trip(kind, layout, order, device):
+    engine, connector, caches = setup(kind, layout, order, device)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (NUM_TOKENS,), generator=g)
     src, dst = caches(g=g), caches(fill=SENTINEL)
-    src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
-    dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
+    src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g, device=device)
+    dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g, device=device)
     assert engine.store(tokens, kvcaches=src, slot_mapping=src_slots) == NUM_TOKENS
     if kind == "v2":
         ret = engine.retrieve(tokens, kvcaches=dst, slot_mapping=dst_slots)
@@ -87,14 +94,15 @@ def test_round_trip(kind, layout, order):
     check_paged(layout, src, src_slots, dst, dst_slots, caches)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout,order", LAYOUTS)
-def test_buffer_holds_the_layer_and_flushes_it(layout, order):
-    engine, connector, caches = setup("buffer", layout, order)
+def test_buffer_holds_the_layer_and_flushes_it(layout, order, device):
+    engine, connector, caches = setup("buffer", layout, order, device)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 1000, (NUM_TOKENS,), generator=g)
     src, dst = caches(g=g), caches(fill=SENTINEL)
-    src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
-    dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g)
+    src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g, device=device)
+    dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g, device=device)
     engine.store(tokens, kvcaches=src, slot_mapping=src_slots)
     gen = engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots, flush_to_paged=False)
     for layer in range(LAYERS):

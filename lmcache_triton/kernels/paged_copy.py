@@ -127,15 +127,20 @@ def _tile(hidden: int, element_size: int = 2, direction: str = "gather") -> tupl
 
 
 def _vec(layers: Layers, kv_off: int) -> int:
-    """Elements per 16-byte access on the cache side if every offset allows it, else 1."""
+    """Elements per vector access on the cache side: the widest power of two up to 16 bytes that
+    divides the base alignment, every stride, layer offset, kv_off and the head size; else 1."""
     k0 = layers.k[0]
-    vec = 16 // k0.element_size()
+    size = k0.element_size()
     strides = [k0.stride()] + ([] if layers.v is None else [layers.v[0].stride()])
+    if any(st[3] != 1 for st in strides):
+        return 1
     base = k0.data_ptr()
-    ok = (all(st[3] == 1 and all(x % vec == 0 for x in st[:3]) for st in strides)
-          and base % 16 == 0 and layers.geometry.head_size % vec == 0 and kv_off % vec == 0
-          and all((k.data_ptr() - base) % 16 == 0 for k in layers.k))
-    return vec if ok else 1
+    elems = [x for st in strides for x in st[:3]] + [layers.geometry.head_size, kv_off]
+    byte_offsets = [base] + [k.data_ptr() - base for k in layers.k]
+    vec = 16 // size
+    while vec > 1 and not (all(x % vec == 0 for x in elems) and all(b % (vec * size) == 0 for b in byte_offsets)):
+        vec //= 2
+    return vec
 
 
 _offsets_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}

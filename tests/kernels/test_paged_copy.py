@@ -282,11 +282,14 @@ def test_strided_chunks(device):
     pytest.param(Case("vllm_packed", "BHLNC", heads=3, head_size=40), torch.bfloat16, 8, id="packed-h40"),
     pytest.param(Case("vllm_cpu", heads=2, head_size=36), torch.float16, 1, id="cpu-h36-unaligned"),
     pytest.param(Case("flash_attn", heads=2, head_size=36), torch.float32, 4, id="fa-fp32-h36"),
-    pytest.param(Case("mla", heads=1, head_size=72), torch.uint8, 1, id="mla72-u8-unaligned"),
+    pytest.param(Case("mla", heads=1, head_size=72), torch.uint8, 8, id="mla72-u8-8bytes"),
+    pytest.param(Case("vllm_packed", "LBNHC", heads=3, head_size=36), torch.float16, 4, id="packed-h36-8bytes"),
+    pytest.param(Case("flash_attn", heads=1, head_size=34), torch.float16, 2, id="fa-h34-4bytes"),
+    pytest.param(Case("flashinfer", heads=1, head_size=33), torch.float16, 1, id="fi-h33-unaligned"),
     pytest.param(Case("mla", heads=1, head_size=576), torch.float8_e4m3fn, 16, id="mla576-fp8"),
 ])
 def test_vector_width_hint(case, dtype, expected):
-    """VEC is an alignment promise to the GPU compiler: it must be 1 whenever any offset breaks it."""
+    """VEC is an alignment promise to the GPU compiler: the widest one every offset keeps."""
     from lmcache_triton.kernels.common import prepare_layers
     caches = case.caches(dtype, "cpu", lambda s: torch.zeros(s, dtype=dtype))
     layers = prepare_layers(caches, case.layout)
