@@ -15,7 +15,7 @@ from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEng
 from lmcache_triton.gpu_connector import (VLLMBufferLayerwiseGPUConnector, VLLMPagedMemGPUConnectorV2,
                                           VLLMPagedMemLayerwiseGPUConnector)
 from lmcache_triton.kernels import paged_gather_layer_ref, paged_gather_ref
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.testing import PACKED_ORDERS, make_kv_caches, random_slot_mapping
 
 CHUNK, LAYERS, HEADS, HEAD, MLA_C = 16, 2, 2, 16, 40
 BLOCK, BLOCKS = 8, 12
@@ -23,8 +23,9 @@ NUM_TOKENS = 2 * CHUNK + 5          # a partial last chunk (kept: save_unfull_ch
 SENTINEL = -7.0
 
 LAYOUTS = [pytest.param(layout, order, id=f"{layout}-{order}" if layout == "vllm_packed" else layout)
-           for layout, order in (("vllm_packed", "LBNHC"), ("vllm_packed", "BHLNC"), ("vllm_cpu", "LBNHC"),
-                                 ("flash_attn", "LBNHC"), ("flashinfer", "LBNHC"), ("mla", "LBNHC"))]
+           for layout, order in ([("vllm_packed", order) for order in PACKED_ORDERS]
+                                 + [("vllm_cpu", "LBNHC"), ("flash_attn", "LBNHC"), ("flashinfer", "LBNHC"),
+                                    ("mla", "LBNHC")])]
 DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(
                not torch.cuda.is_available(), reason="needs a CUDA device")))]

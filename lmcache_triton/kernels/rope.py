@@ -58,20 +58,26 @@ def _rope_rerotate_kernel(k_ptr, out_ptr, delta_ptr, cache_ptr, num_rows,
     sin = tl.load(cache_row + ((i + HALF) * c_stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
     sin = sin * sign[:, None]
 
-    if IS_NEOX:
-        c1 = i
-        c2 = i + HALF
-    else:
-        c1 = 2 * i
-        c2 = 2 * i + 1
     k_row = k_ptr + (tok * k_stride_t + head * k_stride_h)[:, None]
     o_row = out_ptr + (tok * o_stride_t + head * o_stride_h)[:, None]
-    x1 = tl.load(k_row + (c1 * k_stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_row + (c2 * k_stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    tl.store(o_row + (c1 * o_stride_d)[None, :], o1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_row + (c2 * o_stride_d)[None, :], o2.to(out_ptr.dtype.element_ty), mask=mask)
+    if IS_NEOX:
+        x1 = tl.load(k_row + (i * k_stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(k_row + ((i + HALF) * k_stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        tl.store(o_row + (i * o_stride_d)[None, :], o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_row + ((i + HALF) * o_stride_d)[None, :], o2.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # GPT-J pairs (2i, 2i+1) are adjacent: load the rotary dims as one contiguous row and split
+        # it, rather than two stride-2 loads; the sm_90 PTX then has 16-byte stores (none before).
+        j = tl.arange(0, 2 * HALF_PAD).to(tl.int64)
+        rmask = row_ok[:, None] & (j < 2 * HALF)[None, :]
+        x = tl.load(k_row + (j * k_stride_d)[None, :], mask=rmask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_R, HALF_PAD, 2]))
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        o = tl.reshape(tl.join(o1, o2), [BLOCK_R, 2 * HALF_PAD])
+        tl.store(o_row + (j * o_stride_d)[None, :], o.to(out_ptr.dtype.element_ty), mask=rmask)
 
     if COPY_PASS:  # dims >= rotary_dim, copied unconverted (bit-exact); skipped when out is k
         j = tl.arange(0, PASS_PAD).to(tl.int64)
