@@ -3,11 +3,11 @@ arguments its public launcher really passes, on a host without a GPU.
 
 Run with TRITON_INTERPRET unset (tests/kernels/test_compile_sm90.py does, in a subprocess): the
 launchers are driven with CPU tensors, `_use_triton` is forced on and each `kernel[grid](...)` is
-recorded instead of launched; each recorded call is then compiled the way Triton's launcher would
-specialize it (16-byte aligned pointers and multiples of 16 get `tt.divisibility`, ints equal to 1
-become constants, `do_not_specialize` args stay generic). Prints one JSON line per compiled call:
+recorded instead of launched; each recorded call is then specialized by Triton's own binder for an
+sm_90 target and compiled. Prints one JSON line per launch:
 {"case", "kernel", "vector_loads", "vector_stores"} (how many `ld/st.global.v4` in the PTX) and
-"widest_store" (bytes: for the scatter kernel, the width of its writes into the paged cache).
+"widest_store" (bytes: for the scatter kernel, the width of its writes into the paged cache), and
+"key", which changes exactly when a real launch would compile anew.
 
 The interpreter accepts programs the compiler rejects (and vice versa for some masks); this is the
 check that the code the CPU matrix runs is also code a GPU can build.
@@ -23,8 +23,8 @@ import sys
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import mangle_type
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 from lmcache_triton.kernels import (blend, kv_deviation, paged_copy, paged_gather, paged_gather_layer,
                                     paged_scatter, paged_scatter_layer, rope, rope_rerotate, selective_write)
@@ -56,33 +56,15 @@ def _widths(ptx: str, op: str) -> list[int]:
 
 
 def specialize(fn, args: tuple, kwargs: dict):
-    bound = dict(zip(fn.arg_names, args)) | kwargs
-    options = {k: bound.pop(k) for k in ("num_warps", "num_stages") if k in bound}
-    no_spec = {fn.arg_names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(fn.params):
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[(i,)] = value
-            continue
-        if isinstance(value, torch.Tensor):
-            signature[param.name] = mangle_type(value)
-            aligned = value.data_ptr() % 16 == 0
-        elif isinstance(value, int) and not isinstance(value, bool) and param.name not in no_spec:
-            if value == 1:
-                signature[param.name] = "constexpr"
-                constexprs[(i,)] = 1
-                continue
-            signature[param.name] = mangle_type(value)
-            aligned = value % 16 == 0
-        else:
-            signature[param.name] = mangle_type(value)
-            aligned = False
-        if aligned and param.name not in no_spec:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    key = repr((fn.__name__, signature, sorted(constexprs.items()), sorted(attrs), sorted(options.items())))
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options, key
+    """Triton's own launch-time specialization for sm_90 (the binder `JITFunction.run` uses: pointer
+    alignment, ints divisible by 16 or equal to 1, do_not_specialize), without a device.
+    Returns the compile inputs and the key that decides whether a launch compiles anew."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    key = repr((fn.__name__, specialization, sorted(options.items())))
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(fn, signature, constexprs, attrs), options.__dict__, key
 
 
 def paged_cases():
@@ -108,6 +90,21 @@ def paged_cases():
             paged_gather(c, s, lay), c, s, lay)
         yield name + "-one-layer", lambda c=caches, s=slots, lay=layout: paged_scatter_layer(
             paged_gather_layer(c[0], s, lay), c[0], s, lay)
+
+
+def token_count_cases():
+    """The same cache and layout at request lengths that differ per call: one compile, not one per length."""
+    caches = make_kv_caches("vllm_packed", num_layers=2, num_blocks=80, block_size=16, num_kv_heads=8, head_size=128,
+                            fill=0)
+    for n in (1, 16, 37, 256, 1000):
+        slots = random_slot_mapping(n, num_blocks=80, block_size=16)
+        yield f"tokens-{n}", lambda s=slots: paged_scatter(paged_gather(caches, s, "vllm_packed"), caches, s,
+                                                           "vllm_packed")
+        k = torch.zeros(n, 8, 128, dtype=torch.bfloat16)
+        yield f"tokens-{n}-blend", lambda k=k, n=n: (
+            rope_rerotate(k, torch.arange(n), torch.arange(n) + 5, torch.zeros(64, 128, dtype=torch.bfloat16),
+                          is_neox=True),
+            kv_deviation(k, k), selective_write(k, k[: n // 2 + 1], torch.arange(n // 2 + 1)))
 
 
 def blend_cases():
@@ -143,7 +140,7 @@ def main() -> int:
             recorders[name] = Recorder(getattr(module, name))
             setattr(module, name, recorders[name])
     seen: dict[str, dict] = {}
-    for case, run in [*paged_cases(), *blend_cases()]:
+    for case, run in [*paged_cases(), *blend_cases(), *token_count_cases()]:
         for rec in recorders.values():
             rec.calls.clear()
         run()
@@ -155,7 +152,7 @@ def main() -> int:
                     seen[key] = dict(vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
                                      vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)),
                                      widest_store=max(_widths(ptx, "st"), default=0))
-                print(json.dumps(dict(case=case, kernel=kernel, **seen[key])), flush=True)
+                print(json.dumps(dict(case=case, kernel=kernel, key=key, **seen[key])), flush=True)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 The CPU matrix runs the kernels in Triton's interpreter, which accepts programs the compiler may
 reject; `compile_sm90.py` drives the public launchers with CPU tensors, records each launch and
-runs the real compiler (down to ptxas) on it, in a subprocess with TRITON_INTERPRET unset.
+specializes it with Triton's own binder and runs the real compiler (down to ptxas), in a subprocess
+with TRITON_INTERPRET unset.
 """
 
 import json
@@ -47,6 +48,13 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     for prefix, width in CACHE_WRITE_BYTES.items():
         hits = [r for r in rows if r["case"].startswith(prefix) and r["kernel"] == "_paged_scatter_kernel"]
         assert hits and all(r["widest_store"] == width for r in hits), (prefix, hits)
+    # Request lengths vary every call (1, 16, 37, 256, 1000 tokens): Triton's own specialization
+    # must give one key per kernel, i.e. one compile, not one per length.
+    keys: dict[str, set[str]] = {}
+    for r in rows:
+        if r["case"].startswith("tokens-"):
+            keys.setdefault(r["kernel"], set()).add(r["key"])
+    assert set(keys) == KERNELS and all(len(v) == 1 for v in keys.values()), keys
     # RoPE reads and writes K rows contiguously in both styles (GPT-J: one row, split into pairs).
     for r in rows:
         if r["case"].startswith("rope-"):
