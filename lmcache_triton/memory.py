@@ -3,11 +3,66 @@
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
+import weakref
 from enum import Enum
 from math import prod
 
 import torch
+
+logger = logging.getLogger("lmcache_triton")
+
+# cudaHostRegister per call: large single registrations fail on recent drivers (LMCache#5177
+# registers in chunks of at most 64 GiB for the same reason).
+_REGISTER_CHUNK = 64 << 30
+
+
+def _unregister(ptrs: list[int]) -> None:
+    if not ptrs:
+        return
+    try:
+        cudart = torch.cuda.cudart()
+    except Exception:  # interpreter shutdown: the process's memory goes with it
+        return
+    for ptr in ptrs:
+        cudart.cudaHostUnregister(ptr)
+
+
+def _clear_last_cuda_error() -> None:
+    """torch checks cudaGetLastError after its kernel launches, so a failed cudaHostRegister left in
+    that slot would surface as the error of some unrelated later op. torch.cuda.cudart() has no
+    cudaGetLastError: one tiny launch consumes the error here instead."""
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except RuntimeError:
+        pass
+
+
+def pinned_buffer(nbytes: int) -> tuple[torch.Tensor, list[int]]:
+    """A page-locked uint8 buffer of exactly `nbytes`, and the addresses registered for it.
+
+    `torch.empty(..., pin_memory=True)` goes through torch's caching host allocator, which rounds
+    every block up to a power of two: a 5 GB tier would lock 8 GiB (LMCache#1147, pytorch#150517).
+    So: a plain host allocation registered with cudaHostRegister. Where registration fails (a
+    driver limit, RLIMIT_MEMLOCK), fall back to torch's pinned allocation and say so.
+    """
+    if not torch.cuda.is_available():
+        raise ValueError("pinned host memory needs a CUDA device; this host has none (pin_memory=False)")
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    base, done = buf.data_ptr(), []
+    for off in range(0, nbytes, _REGISTER_CHUNK):
+        err = cudart.cudaHostRegister(base + off, min(_REGISTER_CHUNK, nbytes - off), 0)
+        if int(err) != 0:
+            _clear_last_cuda_error()
+            _unregister(done)
+            logger.warning("cudaHostRegister of %d bytes failed (%s); using torch's pinned allocator, "
+                           "which rounds the CPU tier up to a power of two", nbytes,
+                           cudart.cudaGetErrorString(err))
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), []
+        done.append(base + off)
+    return buf, done
 
 
 class MemoryFormat(str, Enum):
@@ -95,8 +150,15 @@ class TensorMemoryPool:
             pin_memory = torch.cuda.is_available()
         self.alignment = alignment
         self.capacity = size_bytes - size_bytes % alignment
-        # torch.empty does not touch the pages on CPU: a 5 GB tier costs memory only as it fills.
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin_memory)
+        if pin_memory:
+            # Pinned, of exactly this size; unregistered when the pool (which every MemoryObj
+            # references) is collected.
+            self.buffer, registered = pinned_buffer(self.capacity)
+            if registered:
+                weakref.finalize(self, _unregister, registered)
+        else:
+            # torch.empty does not touch the pages on CPU: a 5 GB tier costs memory only as it fills.
+            self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # sorted (offset, size)
         self._used = 0
         self._lock = threading.Lock()

@@ -97,3 +97,31 @@ def test_unpin_without_pin_is_an_error():
     pool = TensorMemoryPool(1024, pin_memory=False)
     with pytest.raises(RuntimeError, match="not pinned"):
         pool.allocate((8,), torch.uint8, F).unpin()
+
+
+def test_pinned_pool_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(ValueError, match="pinned host memory needs a CUDA device"):
+        TensorMemoryPool(4096, pin_memory=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_pool_locks_exactly_its_size():
+    """5 MiB + 512 B pinned: torch's host allocator would round it up to 8 MiB; the pool registers
+    exactly its own buffer, which copies and kernels then use as pinned memory."""
+    from lmcache_triton.memory import pinned_buffer
+    size = (5 << 20) + 512
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    pool = TensorMemoryPool(size)
+    assert pool.buffer.is_pinned() and pool.buffer.numel() == size
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before  # not torch's allocator
+    obj = pool.allocate((2, 3, 17, 64), torch.bfloat16, F)
+    src = torch.randn(obj.shape, device="cuda").to(torch.bfloat16)
+    obj.tensor.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(obj.tensor.cuda(), src)
+    buf, registered = pinned_buffer(4096)
+    assert buf.is_pinned() and registered == [buf.data_ptr()]
+    torch.cuda.cudart().cudaHostUnregister(registered[0])
