@@ -15,6 +15,7 @@ check that the code the CPU matrix runs is also code a GPU can build.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -55,12 +56,17 @@ def _widths(ptx: str, op: str) -> list[int]:
             for n, bits in re.findall(op + r"\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bsuf](\d+)\s", ptx)]
 
 
+@functools.cache
+def _binder(fn):
+    backend = make_backend(TARGET)
+    return backend, create_function_from_signature(fn.signature, fn.params, backend)
+
+
 def specialize(fn, args: tuple, kwargs: dict):
     """Triton's own launch-time specialization for sm_90 (the binder `JITFunction.run` uses: pointer
     alignment, ints divisible by 16 or equal to 1, do_not_specialize), without a device.
     Returns the compile inputs and the key that decides whether a launch compiles anew."""
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    backend, binder = _binder(fn)
     bound, specialization, options = binder(*args, **kwargs)
     key = repr((fn.__name__, specialization, sorted(options.items())))
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
