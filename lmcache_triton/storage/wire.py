@@ -42,7 +42,7 @@ FLAG_TRUNCATED = 1  # LIST: more keys exist than were returned
 
 class Command(IntEnum):
     PUT = 1      # [key, value]                       -> OK
-    GET = 2      # [key]                              -> OK [value] | NOT_FOUND
+    GET = 2      # [key]                              -> OK [value] | NOT_FOUND | BUSY
     EXISTS = 3   # [key 0, ..., key n-1]              -> OK [bitmap of ceil(n/8) bytes, bit i = key i]
     DELETE = 4   # [key]                              -> OK | NOT_FOUND
     LIST = 5     # [] or [limit u32]                  -> OK [key, ...] (FLAG_TRUNCATED when cut)
@@ -59,6 +59,7 @@ class Status(IntEnum):
     UNKNOWN_COMMAND = 5
     BAD_VERSION = 6
     INTERNAL = 7
+    BUSY = 8             # GET: too many reply bytes queued for clients that do not read; retry later
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
 from lmcache_triton.storage import wire
-from lmcache_triton.storage.cache_server import add_server_parser, add_stats_parser, config_from_args
+from lmcache_triton.storage.cache_server import (
+    DiskMirror,
+    ReplyBudget,
+    add_server_parser,
+    add_stats_parser,
+    config_from_args,
+)
 from lmcache_triton.storage.remote import CacheServerClient, RemoteError
 from lmcache_triton.storage.wire import Command, Status
 
@@ -25,10 +33,12 @@ def client_for(server, **kw) -> CacheServerClient:
 class RawPeer:
     """A DEALER that sends whatever bytes it is given: the hostile client."""
 
-    def __init__(self, port: int, rcvhwm: int = 1000) -> None:
+    def __init__(self, port: int, rcvhwm: int = 1000, rcvbuf: int | None = None) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if rcvbuf is not None:  # a tiny kernel buffer: what it does not read stays queued in the server
+            self.sock.setsockopt(zmq.RCVBUF, rcvbuf)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
 
     def ask(self, parts: list[bytes], timeout_ms: int = 2000) -> wire.Reply:
@@ -215,6 +225,33 @@ def test_persistence_survives_restart(start_cache_server, tmp_path) -> None:
     assert not list((tmp_path / "store").glob("*.tmp"))
 
 
+def test_restart_over_a_larger_disk_folder_reads_only_what_fits(start_cache_server, tmp_path) -> None:
+    """60 MB on disk, 10 MB of capacity: the newest entries that fit are served, the older files
+    are deleted unread, and the server's peak memory is that of the entries it keeps."""
+    store = tmp_path / "store"
+    mirror = DiskMirror(str(store))
+    keys = [f"k{i:02d}".encode() for i in range(60)]
+    for i, k in enumerate(keys):  # 1_000_003 bytes each with the key: 9 fit in 10 MB
+        mirror.write(k, memoryview(bytes([i]) * 1_000_000))
+        os.utime(mirror._path(k), (1_000_000 + i, 1_000_000 + i))  # k59 most recently used
+    bad_head = store / ("0" * 64 + ".kv")  # a key length past the end of the file: skipped, kept
+    bad_head.write_bytes(struct.pack("<4sI", b"LMCS", 1 << 30) + b"k")
+    (store / "partial.tmp").write_bytes(b"half a write")
+
+    baseline = start_cache_server("--disk", str(tmp_path / "empty"), "--max-size-gb", "0.01")
+    base_peak = _proc_status(baseline.proc.pid, "VmHWM")
+    baseline.kill()
+    server = start_cache_server("--disk", str(store), "--max-size-gb", "0.01")
+    peak = _proc_status(server.proc.pid, "VmHWM")
+    assert peak < base_peak + (40 << 20), f"reloading 10 MB of 60 took {(peak - base_peak) >> 20} MiB"
+
+    c = client_for(server)
+    assert c.exists(keys) == [False] * 51 + [True] * 9
+    assert bytes(c.get(keys[-1])) == bytes([59]) * 1_000_000 and bytes(c.get(keys[51])) == bytes([51]) * 1_000_000
+    assert c.stats()["keys"] == 9
+    assert sorted(store.iterdir()) == sorted([mirror._path(k) for k in keys[51:]] + [bad_head])
+
+
 def test_slow_reader_does_not_stall_others(start_cache_server) -> None:
     server = start_cache_server()
     good = client_for(server)
@@ -232,6 +269,55 @@ def test_slow_reader_does_not_stall_others(start_cache_server) -> None:
     slow.close()
 
 
+def _proc_status(pid: int, field: str) -> int:
+    """A /proc/PID/status memory field (VmRSS, VmHWM: the peak) in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _wait_for_gets(client: CacheServerClient, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while client.stats()["gets"] < n:
+        assert time.monotonic() < deadline, "the server did not handle the GETs"
+        time.sleep(0.01)
+
+
+def test_replies_a_client_does_not_read_stay_within_the_budget(start_cache_server) -> None:
+    """A client that sends GETs and never reads their replies must not keep evicted values alive
+    beyond the pending-reply budget: the server's memory stays near capacity + budget."""
+    capacity = budget = 20_000_000  # the default budget is min(256 MiB, capacity)
+    server = start_cache_server("--max-size-gb", "0.02")
+    good = client_for(server)
+    hostile = RawPeer(server.port, rcvhwm=1, rcvbuf=4096)
+    value, per_round, rounds = b"v" * 990_000, 20, 40  # ~800 MB of values pass through a 20 MB cache
+    t = time.monotonic()
+    for r in range(rounds):
+        keys = [f"r{r}-{i}".encode() for i in range(per_round)]
+        for k in keys:
+            good.put(k, value)  # evicts the previous round
+        for i, k in enumerate(keys):
+            hostile.sock.send_multipart(wire.encode_request(Command.GET, r * per_round + i, [k]))
+        _wait_for_gets(good, (r + 1) * per_round)  # so they hit before the next round evicts them
+    peak = _proc_status(server.proc.pid, "VmHWM")
+    stats = good.stats()
+    assert peak < capacity + budget + (150 << 20), f"server peak RSS {peak >> 20} MiB for a 20 MB cache"
+    assert stats["refused_replies"] > 0 and stats["pending_reply_bytes"] <= budget
+    assert stats["hits"] + stats["refused_replies"] == stats["gets"] == rounds * per_round
+    hostile.close()  # ZMQ drops its queue: the budget frees up and GETs are served again
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            assert bytes(good.get(keys[-1])) == value
+            break
+        except RemoteError as e:
+            assert "BUSY" in str(e) and time.monotonic() < deadline, e
+            time.sleep(0.05)
+    assert time.monotonic() - t < 20
+    server.check_alive()
+
+
 def test_cli_parser() -> None:
     parser = argparse.ArgumentParser()
     add_server_parser(parser.add_subparsers(dest="command"))
@@ -241,6 +327,29 @@ def test_cli_parser() -> None:
     assert callable(args.func)
     with pytest.raises(ValueError, match="max-size-gb"):
         config_from_args(parser.parse_args(["server", "--max-size-gb", "0"]))
+    assert cfg.pending_reply_budget == 256 << 20  # min(256 MiB, capacity)
+    small = config_from_args(parser.parse_args(["server", "--max-size-gb", "0.02"]))
+    assert small.pending_reply_budget == 20_000_000
+    pending = config_from_args(parser.parse_args(["server", "--max-pending-reply-mb", "16"]))
+    assert pending.pending_reply_budget == 16 << 20
+    with pytest.raises(ValueError, match="max-pending-reply-mb"):
+        config_from_args(parser.parse_args(["server", "--max-pending-reply-mb", "0"]))
+
+
+def test_reply_budget_counts_each_value_once_until_zmq_releases_it() -> None:
+    budget = ReplyBudget(100)
+    a, b, big = memoryview(b"a" * 60), memoryview(b"b" * 60), memoryview(b"c" * 500)
+    assert budget.admit(a)
+    frame_a = budget.frame(a)
+    again = budget.frame(a)  # a second reply of the same value shares its memory: counted once
+    assert budget.pending_bytes == 60 and budget.admit(a)
+    assert not budget.admit(b) and not budget.admit(big)
+    del frame_a, again  # what ZMQ does once it has sent (or dropped) the replies
+    deadline = time.monotonic() + 5
+    while not budget.admit(b):
+        assert time.monotonic() < deadline, "released frames were not noticed"
+        time.sleep(0.01)
+    assert budget.pending_bytes == 0 and budget.admit(big)  # nothing pending: one reply always fits
 
 
 def test_stats_command(cache_server, capsys) -> None:

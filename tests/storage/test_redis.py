@@ -76,6 +76,28 @@ def test_corrupt_payload_is_a_counted_miss(redis_server, pool, make_chunk, kv_me
     assert s["corrupt"] == 2 and s["misses"] == 2 and s["hits"] == 0
 
 
+def test_oversized_value_is_refused_without_reading_it(redis_server, pool, make_chunk, kv_metadata) -> None:
+    """A value far larger than any chunk of this engine (a valid chunk with 8 MiB of junk after it)
+    is a miss, and what redis sends us stays within the engine's largest chunk."""
+    b = backend_for(redis_server.url, kv_metadata)
+    r = raw(redis_server)
+    obj, key = make_chunk(pool, seed=5)
+    bound = serde.max_serialized_nbytes(kv_metadata)
+    r.set("lmct:" + key.to_string(), serde.serialize(key, obj.tensor, obj.fmt) + bytes(8 << 20))
+    used = pool.used_bytes
+    sent_before = r.info("stats")["total_net_output_bytes"]
+    assert b.get(key, pool.allocate) is None
+    sent = r.info("stats")["total_net_output_bytes"] - sent_before
+    assert sent < bound + (64 << 10), f"redis sent {sent} bytes for a chunk of at most {bound}"
+    assert pool.used_bytes == used
+    s = b.stats()
+    assert s["misses"] == 1 and s["hits"] == 0 and s["errors"] + s["corrupt"] == 1
+    r.delete("lmct:" + key.to_string())
+    assert b.put(key, obj)  # a value within the bound is read as before
+    got = b.get(key, pool.allocate)
+    assert got is not None and torch.equal(got.tensor, obj.tensor)
+
+
 def test_killed_and_restarted_redis(redis_server, pool, make_chunk) -> None:
     b = backend_for(redis_server.url)
     obj, key = make_chunk(pool, seed=3)

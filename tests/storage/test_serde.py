@@ -235,3 +235,85 @@ def test_check_fits():
         check_fits(read_header(serialize(KEY, torch.zeros(shape, dtype=torch.bfloat16), F.KV_MLA)), mla)
     with pytest.raises(SerdeError):
         check_fits(read_header(serialize(KEY, torch.zeros((8, 2, 24), dtype=torch.bfloat16), F.KV_T2D)), mla)
+
+
+def _with_lz4_payload(data: bytes, payload: bytes) -> bytes:
+    """An lz4 chunk's valid header (header_crc recomputed) in front of any `payload`: what a
+    hostile client of a shared cache could store."""
+    from lmcache_triton.storage import serde
+
+    n = struct.unpack_from("<Q", data)[0]
+    header = json.loads(data[8:8 + n])
+    header["kv.lz4"].update(shape=[len(payload)], data_offsets=[0, len(payload)])
+    del header["__metadata__"]["header_crc"]
+    header["__metadata__"]["header_crc"] = serde._crc(serde._canonical(header))
+    hb = serde._canonical(header)
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb + payload
+
+
+def _lz4_frame(chunks: list[bytes], *, source_size: int = 0) -> bytes:
+    """One lz4 frame of the concatenated chunks, built in pieces (the whole content is never in memory);
+    source_size != 0 writes the frame's content-size field."""
+    c = lz4.frame.LZ4FrameCompressor()
+    return b"".join([c.begin(source_size=source_size), *(c.compress(x) for x in chunks), c.flush()])
+
+
+_SMALL = torch.arange(2 * 2 * 8 * 32, dtype=torch.int32).to(torch.bfloat16).view(2, 2, 8, 32)  # 2 KiB raw
+_SMALL_RAW = _SMALL.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_lz4_frames_that_do_not_match_the_header_are_rejected():
+    data = serialize(KEY, _SMALL, F.KV_2LTD, "lz4")
+    assert read_header(data).raw_nbytes == len(_SMALL_RAW) == 2048
+    frame = lz4.frame.compress(_SMALL_RAW)
+    deserialize(_with_lz4_payload(data, frame))  # the rewrite itself keeps the chunk valid
+    bad = {
+        "expands-past-header": lz4.frame.compress(_SMALL_RAW + b"\0", store_size=False),
+        "declares-other-size": lz4.frame.compress(_SMALL_RAW + b"\0", store_size=True),
+        "short": lz4.frame.compress(_SMALL_RAW[:-1]),
+        "truncated-frame": frame[:-4],
+        "trailing-junk": frame + b"junk",
+        "two-frames": lz4.frame.compress(_SMALL_RAW[:1024]) + lz4.frame.compress(_SMALL_RAW[1024:]),
+        "not-lz4": b"\0" * 64,
+        "empty": b"",
+    }
+    for name, payload in bad.items():
+        with pytest.raises(SerdeError):
+            deserialize(_with_lz4_payload(data, payload))
+            pytest.fail(f"{name} was accepted")
+
+
+_BOMB = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+from test_serde import F, KEY, _SMALL, _lz4_frame, _with_lz4_payload
+from lmcache_triton.storage.serde import SerdeError, deserialize, serialize
+n, mib = int(sys.argv[2]), bytes(1 << 20)
+header = serialize(KEY, _SMALL, F.KV_2LTD, "lz4")
+bombs = [_with_lz4_payload(header, _lz4_frame([mib] * (n >> 20), source_size=size)) for size in (n, 0)]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for bomb in bombs:
+    try:
+        deserialize(bomb)
+    except SerdeError:
+        pass
+    else:
+        sys.exit("the bomb was accepted")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # Linux: KiB
+"""
+
+
+def test_lz4_bomb_is_rejected_without_allocating_its_expansion():
+    """A 2 KiB chunk whose ~2 MiB lz4 frame expands to 512 MiB (with and without the frame's
+    content-size field): decoding must fail before allocating anything near the expansion."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    n = 512 << 20
+    out = subprocess.run([sys.executable, "-c", _BOMB, str(Path(__file__).parent), str(n)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    grew = int(out.stdout)
+    assert grew < 64 << 20, f"peak RSS grew by {grew >> 20} MiB decoding a 2 KiB chunk"
