@@ -175,8 +175,9 @@ def select_recompute_tokens(deviation: torch.Tensor, ratio: float, *,
 
 # ------------------------------------------------------------------------------ selective_write
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _selective_write_kernel(dst_ptr, src_ptr, idx_ptr, num_rows, width,
+# num_rows and num_dst_rows change with every request: no value specialization, no recompiles.
+@triton.jit(do_not_specialize=["num_rows", "num_dst_rows"])
+def _selective_write_kernel(dst_ptr, src_ptr, idx_ptr, num_rows, num_dst_rows, width,
                             d_stride_t, d_stride_c, s_stride_t, s_stride_c,
                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_t = tl.program_id(0).to(tl.int64)
@@ -184,8 +185,10 @@ def _selective_write_kernel(dst_ptr, src_ptr, idx_ptr, num_rows, width,
     row = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     dst_row = tl.load(idx_ptr + row, mask=row < num_rows, other=-1).to(tl.int64)
     col = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
-    # dst_row >= 0 also excludes rows past the end (loaded as -1).
-    mask = (dst_row >= 0)[:, None] & (col < width)[None, :]
+    # dst_row >= 0 also excludes rows past the end (loaded as -1). dst_row < num_dst_rows keeps an
+    # out-of-range index from writing past dst even where the launcher's host check is bypassed
+    # (it is free here): such a row is skipped like -1.
+    mask = ((dst_row >= 0) & (dst_row < num_dst_rows))[:, None] & (col < width)[None, :]
     v = tl.load(src_ptr + (row * s_stride_t)[:, None] + (col * s_stride_c)[None, :], mask=mask)
     tl.store(dst_ptr + (dst_row * d_stride_t)[:, None] + (col * d_stride_c)[None, :], v, mask=mask)
 
@@ -247,5 +250,6 @@ def selective_write(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor)
     block_t, block_d = _tile(width)
     grid = (triton.cdiv(num_rows, block_t), triton.cdiv(width, block_d))
     with _on(dst.device):
-        _selective_write_kernel[grid](d2, s2, indices.contiguous(), num_rows, width, *d2.stride(), *s2.stride(),
+        _selective_write_kernel[grid](d2, s2, indices.contiguous(), num_rows, d2.shape[0], width,
+                                      *d2.stride(), *s2.stride(),
                                       BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)

@@ -67,13 +67,33 @@ def prepare_layers(kv_caches: Sequence[torch.Tensor], layout: str, name: str = "
     return Layers(layout, geo, ks, None if geo.use_mla else vs, first.dtype, first.device)
 
 
-def prepare_slots(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
+def prepare_slots(slot_mapping: torch.Tensor, layers: Layers) -> torch.Tensor:
+    """slot_mapping, validated, contiguous on the cache device.
+
+    Slots past the cache (>= num_blocks * block_size) raise ValueError wherever that check is free,
+    i.e. where the slots are in host memory anyway (a CPU slot_mapping, or a CPU cache). A CUDA
+    slot_mapping for a CUDA cache is not checked here (that would be a device->host sync per call):
+    the Triton kernels mask such slots and treat them like padding (-1).
+    """
     if not isinstance(slot_mapping, torch.Tensor):
         raise ValueError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be a 1-D int32/int64 tensor, got "
                          f"{slot_mapping.dtype} of shape {tuple(slot_mapping.shape)}")
-    return slot_mapping.to(device, non_blocking=True).contiguous()
+    device = layers.device
+    # non_blocking only towards a GPU: a non-blocking GPU->CPU copy may not have landed when the
+    # CPU reads it.
+    slots = slot_mapping.to(device, non_blocking=device.type != "cpu").contiguous()
+    host = slot_mapping if slot_mapping.device.type == "cpu" else slots if slots.device.type == "cpu" else None
+    if host is not None and host.numel():
+        g = layers.geometry
+        num_slots = g.num_blocks * g.block_size
+        hi = int(host.max())
+        if hi >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {hi}, but the cache has only {num_slots} slots "
+                             f"({g.num_blocks} blocks x block_size {g.block_size}): a slot must be in "
+                             f"[0, {num_slots}), or -1 for padding")
+    return slots
 
 
 def check_chunk(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:

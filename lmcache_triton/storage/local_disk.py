@@ -2,8 +2,11 @@
 
 Layout: `<path>/<2 hex>/<32 hex>.safetensors`, the hex being blake2b of the key string, so any
 model name (with '/', '@', unicode) makes a safe file name and the 256 shards keep directories
-small. Writes go to `.tmp-*` in the same shard and are renamed into place (os.replace is atomic),
-so a crash never leaves a half-written file under a real name; `.tmp-*` leftovers go at start.
+small. Writes go to `.tmp-<stem>-<host>-<pid>-<rand>` in the same shard and are renamed into place
+(os.replace is atomic), so a crash never leaves a half-written file under a real name. Several
+engines may share the directory, so a start deletes only the temp files of crashed writers: those
+named by this host and a pid that no longer runs, and any (another host's too) untouched for
+TEMP_STALE_SECONDS.
 
 Restart: the index is rebuilt from the directory by reading each file's header only, in mtime
 order (a get touches the file's mtime, so recency survives a restart):
@@ -20,7 +23,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import socket
 import threading
+import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -50,6 +56,40 @@ logger = logging.getLogger("lmcache_triton")
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 _HEX = frozenset("0123456789abcdef")
+# A temp file whose writer cannot be shown dead (another host's, a live pid's here, or a name without
+# host and pid) is deleted at start only once it has been untouched this long. A write is one chunk
+# (megabytes) and its file's mtime moves with every write call, so a writer that is alive keeps it
+# fresh; ten minutes without a change means the writer is gone (killed, its host down, or its pid
+# reused by another process), and the file is only wasting space.
+TEMP_STALE_SECONDS = 10 * 60
+# <stem>-<host>-<pid>-<12 hex>; the host may itself hold '-', the other fields never do.
+_TMP_NAME = re.compile(r"(?P<stem>[0-9a-f]+)-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>[0-9]+)-(?P<rand>[0-9a-f]{12})")
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into temp file names: only [A-Za-z0-9._-], at most 64 chars.
+    (Containers that share a directory need distinct host names, as Docker and Kubernetes give
+    them: pids are only meaningful within one host's pid namespace.)"""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown"
+
+
+def _temp_writer(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the writer a temp file name carries, or None for a name without them."""
+    m = _TMP_NAME.fullmatch(name[len(TMP_PREFIX):]) if name.startswith(TMP_PREFIX) else None
+    return (m["host"], int(m["pid"])) if m else None
+
+
+def _pid_alive(pid: int) -> bool:
+    """False only when this host certainly has no process `pid`; True when it has, or when unsure."""
+    if pid <= 0 or os.name != "posix":  # os.kill(pid, 0) would signal a group, or kill on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
 
 
 @dataclass
@@ -76,6 +116,7 @@ def _fsync_dir(path: Path) -> None:
 
 class LocalDiskBackend(StorageBackend):
     name = "LocalDiskBackend"
+    indexed_in_memory = True  # contains() reads the in-memory index, never the disk
 
     def __init__(self, path: str | Path, max_bytes: int, metadata: LMCacheEngineMetadata, *,
                  compression: str = "naive", fsync: bool = False) -> None:
@@ -97,6 +138,7 @@ class LocalDiskBackend(StorageBackend):
         self._counts: Counter[str] = Counter()
         self._logged: set[str] = set()
         self._closed = False
+        self._host = _host_tag()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -152,13 +194,15 @@ class LocalDiskBackend(StorageBackend):
     # ---- start -----------------------------------------------------------------------------------
     def _scan(self) -> None:
         found: list[tuple[float, CacheEngineKey, _Entry]] = []
+        now = time.time()
         for shard in sorted(self.root.iterdir()):
             if not (len(shard.name) == 2 and set(shard.name) <= _HEX and shard.is_dir()):
                 continue  # not ours: a shared or user directory may hold anything else
             for p in shard.iterdir():
                 if p.name.startswith(TMP_PREFIX):
-                    self._unlink(p)  # a write that never reached os.replace
-                    self._counts["temp_cleaned"] += 1
+                    if self._temp_abandoned(p, now):
+                        self._unlink(p)  # a write that never reached os.replace
+                        self._counts["temp_cleaned"] += 1
                 elif p.name.endswith(SUFFIX) and (item := self._scan_file(p)) is not None:
                     found.append(item)
         found.sort(key=lambda item: item[0])
@@ -173,6 +217,18 @@ class LocalDiskBackend(StorageBackend):
         if self._index or self._counts:
             logger.info("%s: found %d chunks (%d bytes) in %s; %s", self.name, len(self._index), self._used,
                         self.root, dict(self._counts))
+
+    def _temp_abandoned(self, p: Path, now: float) -> bool:
+        """True for a temp file whose writer is gone: named by this host and a pid that no longer
+        runs here, or untouched for TEMP_STALE_SECONDS. Other engines' writes in flight (this host's
+        live pids, other hosts' recent files) are left alone."""
+        writer = _temp_writer(p.name)
+        if writer is not None and writer[0] == self._host and not _pid_alive(writer[1]):
+            return True
+        try:
+            return now - p.stat().st_mtime > TEMP_STALE_SECONDS
+        except OSError:  # renamed into place or removed meanwhile
+            return False
 
     def _scan_file(self, p: Path) -> tuple[float, CacheEngineKey, _Entry] | None:
         try:
@@ -253,7 +309,8 @@ class LocalDiskBackend(StorageBackend):
         return True
 
     def _write_atomic(self, path: Path, parts: Sequence[bytes | memoryview]) -> bool:
-        tmp = path.parent / f"{TMP_PREFIX}{path.stem}-{uuid.uuid4().hex[:12]}"
+        # Host and pid in the name: another engine's start tells a crashed write from one in flight.
+        tmp = path.parent / f"{TMP_PREFIX}{path.stem}-{self._host}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:

@@ -1,4 +1,6 @@
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -236,17 +238,88 @@ def test_lru_order_survives_restart_via_mtime(tmp_path, pool):
     assert not b.path_for(_key(1)).exists()
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped) on this host."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+    return proc.pid
+
+
+# This host as the writer names it in temp files: `.tmp-<stem>-<host>-<pid>-<12 hex>`.
+HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown"
+
+
+def _tmp_name(stem: str, host: str, pid: int, rand: str = "0123456789ab") -> str:
+    return f".tmp-{stem}-{host}-{pid}-{rand}"
+
+
 def test_leftover_temp_files_are_cleaned_at_start(tmp_path):
     b = _backend(tmp_path)
     b.put(_key(1), _obj(1))
     b.close()
-    shard = b.path_for(_key(1)).parent
-    (shard / ".tmp-deadbeef-123").write_bytes(b"half a chunk")
+    path = b.path_for(_key(1))
+    crashed = path.parent / _tmp_name(path.stem, HOST, _dead_pid())
+    crashed.write_bytes(b"half a chunk")
     unrelated = tmp_path / "notes.txt"  # not in a shard directory: not ours, left alone
     unrelated.write_text("keep me")
     b2 = _backend(tmp_path)
     assert b2.stats()["temp_cleaned"] == 1 and b2.keys() == [_key(1)]
-    assert not (shard / ".tmp-deadbeef-123").exists() and unrelated.exists()
+    assert not crashed.exists() and unrelated.exists()
+
+
+def test_temp_file_names_carry_host_and_pid(tmp_path, monkeypatch):
+    b = _backend(tmp_path)
+    seen = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        seen.append(Path(src).name)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    assert b.put(_key(1), _obj(1))
+    (name,) = seen
+    stem = b.path_for(_key(1)).stem
+    assert re.fullmatch(rf"\.tmp-{stem}-{re.escape(HOST)}-{os.getpid()}-[0-9a-f]{{12}}", name), name
+
+
+def test_start_keeps_other_writers_temp_files(tmp_path):
+    """Engines sharing a directory: a start deletes only temp files of dead writers on this host and
+    stale ones, never another engine's write in flight."""
+    b = _backend(tmp_path)
+    b.put(_key(1), _obj(1))
+    b.close()
+    path = b.path_for(_key(1))
+    shard, stem, host = path.parent, path.stem, HOST
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        dead = _dead_pid()
+        keep = {
+            "mine": shard / _tmp_name(stem, host, os.getpid(), "aaaaaaaaaaaa"),       # live pid, this host
+            "live": shard / _tmp_name(stem, host, live.pid, "bbbbbbbbbbbb"),          # another live process
+            "other_host": shard / _tmp_name(stem, "other-host.example", dead, "cccccccccccc"),  # recent
+            "legacy": shard / f".tmp-{stem}-dddddddddddd",                            # no host/pid, recent
+        }
+        old = time.time() - 30 * 24 * 3600  # far beyond the staleness bound (10 minutes)
+        remove = {
+            "dead": shard / _tmp_name(stem, host, dead, "eeeeeeeeeeee"),
+            "old": shard / _tmp_name(stem, "other-host.example", 4242, "ffffffffffff"),
+            "old_legacy": shard / ".tmp-deadbeef-123",
+        }
+        for p in (*keep.values(), *remove.values()):
+            p.write_bytes(b"part of a chunk")
+        for name in ("old", "old_legacy"):
+            os.utime(remove[name], (old, old))
+        b2 = _backend(tmp_path)
+        assert live.poll() is None, "the live writer must still run during the scan"
+    finally:
+        live.kill()
+        live.wait()
+    assert {n for n, p in keep.items() if not p.exists()} == set(), "another writer's temp file was deleted"
+    assert {n for n, p in remove.items() if p.exists()} == set(), "an abandoned temp file was kept"
+    assert b2.stats()["temp_cleaned"] == len(remove) and b2.keys() == [_key(1)]
 
 
 def test_write_failure_is_a_counted_false(tmp_path, monkeypatch):
