@@ -84,6 +84,9 @@ _SPECS: dict[str, _Spec] = {
     "enable_async_loading": _Spec("bool"),
     "lookup_timeout_ms": _Spec("int"),
     "prometheus_port": _Spec("int", optional=True),
+    "pin_lease_secs": _Spec("float"),
+    "verify_hit_rate": _Spec("float"),
+    "namespace_secret": _Spec("str", optional=True),
     "extra_config": _Spec("dict", optional=True),
 }
 
@@ -383,6 +386,16 @@ class LMCacheEngineConfig:
     # http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join
     # vLLM's own /metrics when PROMETHEUS_MULTIPROC_DIR is set).
     prometheus_port: int | None = None
+    # Not LMCache fields. The longest a lookup's pins may hold chunks in the CPU tier: a load
+    # normally follows within one scheduler step, and a lookup whose request was aborted, timed
+    # out or never scheduled must not hold tier capacity for good (expired leases are counted).
+    pin_lease_secs: float = 30.0
+    # The share of hits (0..1) that vLLM recomputes instead of loading, to compare the computed KV
+    # with the stored chunk (a canary: a mismatch is counted, logged and the chunk removed).
+    verify_hit_rate: float = 0.0
+    # Keys carry a keyed digest of each request's cache_salt, never the salt. Set the same secret
+    # on every instance that shares a store to make those digests unguessable too.
+    namespace_secret: str | None = field(default=None, repr=False)
     extra_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -405,7 +418,11 @@ class LMCacheEngineConfig:
                 raise ConfigError(
                     f"invalid value for '{key}': must be >= 0, got {getattr(self, key)!r}"
                 )
-        for key in ("blocking_timeout_secs", "lookup_timeout_ms"):
+        if not 0.0 <= self.verify_hit_rate <= 1.0:
+            raise ConfigError(
+                f"invalid value for 'verify_hit_rate': must be in [0, 1], got {self.verify_hit_rate!r}"
+            )
+        for key in ("blocking_timeout_secs", "lookup_timeout_ms", "pin_lease_secs"):
             if getattr(self, key) <= 0:
                 raise ConfigError(
                     f"invalid value for '{key}': must be > 0, got {getattr(self, key)!r}"
@@ -568,8 +585,9 @@ class LMCacheEngineConfig:
         """All fields as a plain dict (lists/dicts copied); ``redact`` hides secrets."""
         d = {k: _copy(getattr(self, k)) for k in _SPECS}
         if redact:
-            if d["remote_auth_token"] is not None:
-                d["remote_auth_token"] = "***"
+            for secret in ("remote_auth_token", "namespace_secret"):
+                if d[secret] is not None:
+                    d[secret] = "***"
             if d["remote_url"] is not None:
                 d["remote_url"] = _redact_url(d["remote_url"])
         return d

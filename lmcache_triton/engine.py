@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
@@ -16,7 +18,8 @@ from lmcache_triton.gpu_connector import GPUConnectorInterface, VLLMPagedMemLaye
 from lmcache_triton.memory import MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability import LMCStatsMonitor
-from lmcache_triton.storage.manager import StorageManager
+from lmcache_triton.pins import LookupPins
+from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
 from lmcache_triton.token_database import CacheEngineKey, ChunkedTokenDatabase
 
 logger = logging.getLogger("lmcache_triton")
@@ -33,19 +36,36 @@ def _drain(gen: Generator[Any, None, Any]) -> Any:
             return stop.value
 
 
+def _relative_error(fresh: torch.Tensor, stored: torch.Tensor) -> float:
+    a, b = fresh.float(), stored.float()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return math.inf if not torch.equal(a.nan_to_num(), b.nan_to_num()) else 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
 def _sync(kvcaches: Sequence[torch.Tensor] | None) -> None:
     """Waits for queued copies: a chunk is visible to other readers only once its bytes landed."""
     if kvcaches and kvcaches[0].is_cuda:
         torch.cuda.current_stream(kvcaches[0].device).synchronize()
 
 
+_VERIFY_TOLERANCE = {  # max |fresh - stored| / max |stored| per chunk: recomputation in another
+    torch.float32: 1e-3,   # batch may round differently, corrupt or foreign KV differs by O(1)
+    torch.float16: 1e-2,
+    torch.bfloat16: 4e-2,
+}
+_VERIFY_TOLERANCE_1BYTE = 0.25  # fp8 caches
+
+
 class LMCacheEngine:
     """Stores and retrieves the KV of token sequences, chunk by chunk.
 
-    Keyword arguments of store/retrieve/store_layer/retrieve_layer go to the GPU connector
-    (`kvcaches`, `slot_mapping`, `offset`), except `namespace` (the request's cache salt: keys in
-    one namespace never match another's) and `extra_hashes` (per-chunk bytes folded into the key,
-    e.g. multimodal input hashes).
+    Keyword arguments of store/retrieve/store_layer/retrieve_layer/lookup go to the GPU connector
+    (`kvcaches`, `slot_mapping`, `offset`), except those that name the keys: `namespace` (the
+    request's cache salt: keys in one namespace never match another's; keys carry only a keyed
+    digest of it), `adapter` (the LoRA adapter: its KV is not the base model's), `mm_spans`
+    (multimodal inputs' placeholder spans and hashes) and `extra_hashes` (per-chunk bytes folded
+    into the key).
     """
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
@@ -64,7 +84,8 @@ class LMCacheEngine:
         # A ChunkedTokenDatabase (prefix reuse), or CacheBlend's SegmentTokenDatabase: segments are
         # reusable wherever they appear, so a missing one does not end a lookup or a load.
         self.token_database = token_database or ChunkedTokenDatabase(
-            config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt
+            config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt,
+            namespace_secret=config.namespace_secret,
         )
         self.prefix_chain = self.token_database.prefix_chain
         # Set by CacheBlend: re-rotates a stored segment's K (`[T, hidden]`, computed at positions
@@ -72,11 +93,11 @@ class LMCacheEngine:
         self.key_rotation: Callable[[torch.Tensor, int], None] | None = None
         self.storage_manager = storage_manager or StorageManager(config, metadata)
         self.stats_monitor = LMCStatsMonitor(labels=(metadata.model_name, str(metadata.worker_id)))
+        self.pins = LookupPins(self.storage_manager.release, config.pin_lease_secs)
+        self._verify_logged: set[CacheEngineKey] = set()
         metrics.track(self)
         if config.prometheus_port is not None:
             metrics.serve(config.prometheus_port + metadata.worker_id)
-        self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
-        self._pins_lock = threading.Lock()
         logger.info(
             "lmcache_triton engine: model=%s rank=%d/%d dtype=%s kv_shape=%s connector=%s layout=%s config: %s",
             metadata.model_name, metadata.worker_id, metadata.world_size, metadata.dtype_name,
@@ -86,7 +107,8 @@ class LMCacheEngine:
     # ---- helpers -------------------------------------------------------------------------------
     def _chunks(self, tokens: Tokens, mask: torch.Tensor | None, kwargs: dict[str, Any]):
         return self.token_database.process_tokens(
-            tokens, mask, namespace=kwargs.pop("namespace", "") or "", extra_hashes=kwargs.pop("extra_hashes", None)
+            tokens, mask, namespace=kwargs.pop("namespace", "") or "", extra_hashes=kwargs.pop("extra_hashes", None),
+            adapter=kwargs.pop("adapter", "") or "", mm_spans=kwargs.pop("mm_spans", None),
         )
 
     def _object_keys(self, key: CacheEngineKey) -> list[CacheEngineKey]:
@@ -99,10 +121,21 @@ class LMCacheEngine:
         if "kvcaches" in kwargs:
             self.gpu_connector.check_caches(kwargs["kvcaches"])
 
+    def _allocate(self, num_tokens: int) -> MemoryObj | None:
+        obj = self.storage_manager.allocate(self.gpu_connector.get_shape(num_tokens), self.metadata.kv_dtype,
+                                            self.gpu_connector.fmt)
+        if obj is None and self.pins.reap():  # expired lookup pins may be what fills the tier
+            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(num_tokens), self.metadata.kv_dtype,
+                                                self.gpu_connector.fmt)
+        return obj
+
     # ---- all layers at once --------------------------------------------------------------------
     @torch.inference_mode()
     def store(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
-        """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now."""
+        """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now.
+
+        Runs inside vLLM's step: whether a chunk is stored is asked of memory only (the CPU tier,
+        the disk's index), never of a remote; the remote's writer skips what it already holds."""
         if self.layerwise:
             return _drain(self.store_layer(tokens, mask, **kwargs))
         self._check_caches(kwargs)
@@ -110,19 +143,24 @@ class LMCacheEngine:
         stored: list[tuple[CacheEngineKey, MemoryObj]] = []
         num_tokens = refusals = 0
         chunks = list(self._chunks(tokens, mask, kwargs))
-        present = self.storage_manager.contains_each([key for _, _, key in chunks])
-        for (start, end, key), already in zip(chunks, present):
-            if already:
-                continue
-            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(end - start),
-                                                self.metadata.kv_dtype, self.gpu_connector.fmt)
-            if obj is None:  # the tier is full of pinned chunks: later chunks are useless without this one
-                refusals += 1
-                break
-            self.gpu_connector.from_gpu(obj, start, end, **kwargs)
-            stored.append((key, obj))
-            num_tokens += end - start
-        _sync(kwargs.get("kvcaches"))
+        present = self.storage_manager.contains_in_memory([key for _, _, key in chunks])
+        try:
+            for (start, end, key), already in zip(chunks, present):
+                if already:
+                    continue
+                obj = self._allocate(end - start)
+                if obj is None:  # the tier is full of pinned chunks: later chunks are useless without this one
+                    refusals += 1
+                    self.storage_manager.note_miss(key, MISS_REFUSED)
+                    break
+                stored.append((key, obj))
+                self.gpu_connector.from_gpu(obj, start, end, **kwargs)
+                num_tokens += end - start
+            _sync(kwargs.get("kvcaches"))
+        except BaseException:  # nothing was put: the objects are still ours to free
+            for _, obj in stored:
+                obj.free()
+            raise
         nbytes = sum(obj.tensor.nbytes for _, obj in stored)
         self.storage_manager.batched_put([k for k, _ in stored], [o for _, o in stored])
         self.stats_monitor.on_store(num_tokens, nbytes, time.perf_counter() - t0, refusals)
@@ -163,32 +201,91 @@ class LMCacheEngine:
     def lookup(self, tokens: Tokens, pin: bool = False, *, lookup_id: str | None = None, **kwargs: Any) -> int:
         """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
         partial chunk). With `pin`, the chunks it reports stay in the CPU tier until
-        `lookup_unpin(lookup_id)`, so the load that follows finds them."""
+        `lookup_unpin(lookup_id)`, or at most `pin_lease_secs`, so the load that follows finds them.
+        Missed tokens are counted by why they missed."""
         t0 = time.perf_counter()
         hit = 0
-        pinned: list[CacheEngineKey] = []
-        for start, end, key in self._chunks(tokens, None, kwargs):
-            keys = self._object_keys(key)
-            n = self.storage_manager.batched_contains(keys, pin=pin)
-            if pin:
-                pinned.extend(keys[:n])
-            if n < len(keys):
-                if self.prefix_chain:
-                    break
-                continue
-            hit = end if self.prefix_chain else hit + (end - start)
-        if pin:
-            with self._pins_lock:
-                self._lookup_pins.setdefault(lookup_id or "", []).extend(pinned)
-        self.stats_monitor.on_lookup(len(tokens), hit, time.perf_counter() - t0)
+        lease = self.pins.begin(lookup_id or "") if pin else None
+        misses: Counter[str] = Counter()
+        covered = 0
+        try:
+            for start, end, key in self._chunks(tokens, None, kwargs):
+                covered = max(covered, end)
+                keys = self._object_keys(key)
+                pinned: list | None = [] if lease is not None else None
+                n = self.storage_manager.batched_contains(keys, pinned=pinned)
+                if lease is not None and not self.pins.add(lease, pinned):
+                    lease = None  # released (timed out, aborted) while we looked: stop pinning
+                if n < len(keys):
+                    reason = self.storage_manager.miss_reason(keys[n])
+                    if self.prefix_chain:
+                        misses[reason] += self._chunk_end(tokens) - start  # the rest is unusable behind it
+                        break
+                    misses[reason] += end - start
+                    continue
+                hit = end if self.prefix_chain else hit + (end - start)
+        finally:
+            if lease is not None:
+                self.pins.end(lease)
+        uncovered = len(tokens) - self._chunk_end(tokens) if self.prefix_chain else len(tokens) - covered
+        if self.prefix_chain and uncovered:
+            misses[MISS_PARTIAL] += uncovered
+        elif not self.prefix_chain:
+            covered_tokens = sum(e - s for s, e in self._segment_bounds(tokens))
+            if len(tokens) - covered_tokens:
+                misses[MISS_BLEND] += len(tokens) - covered_tokens
+        self.stats_monitor.on_lookup(len(tokens), hit, time.perf_counter() - t0, misses)
         return hit
 
+    def _chunk_end(self, tokens: Tokens) -> int:
+        bounds = self.token_database.chunk_bounds(len(tokens))
+        return bounds[-1][1] if bounds else 0
+
+    def _segment_bounds(self, tokens: Tokens) -> list[tuple[int, int]]:
+        return self.token_database.segment_bounds(tokens)
+
     def lookup_unpin(self, lookup_id: str | None = None) -> None:
-        """Releases the pins a `lookup(pin=True, lookup_id=...)` took."""
-        with self._pins_lock:
-            keys = self._lookup_pins.pop(lookup_id or "", [])
-        for key in keys:
-            self.storage_manager.unpin(key)
+        """Releases the pins a `lookup(pin=True, lookup_id=...)` took, took meanwhile, or will take."""
+        self.pins.release(lookup_id or "")
+
+    # ---- verified hits -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def verify(self, tokens: Tokens, **kwargs: Any) -> tuple[int, int]:
+        """Compares each stored chunk of `tokens` held in the CPU tier with the KV vLLM has just
+        computed for those tokens (gathered from the paged cache as a store would); returns
+        (chunks checked, mismatches). A mismatching chunk is logged once, counted, and removed
+        from every tier, so it is never served again."""
+        self._check_caches(kwargs)
+        checked = mismatched = 0
+        for start, end, key in self._chunks(tokens, None, kwargs):
+            keys = self._object_keys(key)
+            stored = [self.storage_manager.cpu.get(k) for k in keys]  # memory only: this is vLLM's step
+            try:
+                if any(obj is None for obj in stored):
+                    continue
+                fresh = [MemoryObj(torch.empty(obj.shape, dtype=obj.dtype), obj.fmt) for obj in stored]
+                if self.layerwise:
+                    _drain(self.gpu_connector.batched_from_gpu([[f] for f in fresh], [start], [end], **kwargs))
+                else:
+                    self.gpu_connector.from_gpu(fresh[0], start, end, **kwargs)
+                _sync(kwargs.get("kvcaches"))
+                error = max(_relative_error(f.tensor, obj.tensor) for f, obj in zip(fresh, stored))
+            finally:
+                for k, obj in zip(keys, stored):
+                    if obj is not None:
+                        self.storage_manager.release(k, obj)
+            checked += 1
+            if error > _VERIFY_TOLERANCE.get(self.metadata.kv_dtype, _VERIFY_TOLERANCE_1BYTE):
+                mismatched += 1
+                if key not in self._verify_logged:
+                    self._verify_logged.add(key)
+                    logger.warning("lmcache_triton: stored chunk of tokens [%d, %d) differs from the KV the model "
+                                   "computed (relative error %.3g); removed from every tier", start, end, error)
+                for k in keys:
+                    self.storage_manager.remove(k)
+                    self.storage_manager.note_miss(k, MISS_CORRUPT)
+        self.stats_monitor.on_verify(checked, mismatched)
+        return checked, mismatched
 
     # ---- layerwise -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,12 +304,11 @@ class LMCacheEngine:
         refusals = 0
         for start, end, key in self._chunks(tokens, mask, kwargs):
             layer_keys = self._object_keys(key)
-            if all(self.storage_manager.contains_each(layer_keys)):
+            if all(self.storage_manager.contains_in_memory(layer_keys)):
                 continue
             objs = []
             for _ in range(num_layers):
-                obj = self.storage_manager.allocate(self.gpu_connector.get_shape(end - start),
-                                                    self.metadata.kv_dtype, self.gpu_connector.fmt)
+                obj = self._allocate(end - start)
                 if obj is None:
                     break
                 objs.append(obj)
@@ -220,6 +316,7 @@ class LMCacheEngine:
                 for obj in objs:
                     obj.free()
                 refusals += 1
+                self.storage_manager.note_miss(layer_keys[len(objs)], MISS_REFUSED)
                 break
             starts.append(start)
             ends.append(end)
@@ -310,8 +407,7 @@ class LMCacheEngine:
         return self.stats_monitor.get_stats()
 
     def close(self) -> None:
-        with self._pins_lock:
-            self._lookup_pins.clear()
+        self.pins.release_everything()
         self.storage_manager.close()
 
 

@@ -126,9 +126,13 @@ class MemoryObj:
         return self._pins > 0
 
     def free(self) -> None:
-        """Returns the bytes to the pool; the tensor must not be used afterwards."""
-        if self._pool is not None:
+        """Returns the bytes to the pool; the tensor must not be used afterwards.
+
+        Atomic and idempotent: two threads releasing the last uses of one object (a reader and
+        a write-through, say) must not return its range to the pool twice."""
+        with self._lock:
             pool, self._pool = self._pool, None
+        if pool is not None:
             pool._release(self._offset, self._nbytes)
 
     def __repr__(self) -> str:

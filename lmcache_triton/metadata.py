@@ -21,6 +21,10 @@ class LMCacheEngineMetadata:
     kv_dtype: torch.dtype
     kv_shape: tuple[int, int, int, int, int]
     use_mla: bool = False
+    # Everything else that changes a token's KV for this engine and is not in the fields above:
+    # model revision, quantization, rope overrides, KV cache dtype, the cache's block format
+    # (vLLM's AMX CPU blocks are not the "vec" blocks). Folded into every key's identity.
+    kv_identity: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:

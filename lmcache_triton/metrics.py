@@ -78,6 +78,8 @@ _COUNTERS = {  # stats field -> (metric name, help)
     "store_requests": ("store_requests", "Store calls"),
     "stored_tokens": ("stored_tokens", "Tokens stored"),
     "store_refusals": ("store_refusals", "Chunks not stored because the CPU tier was full of pinned chunks"),
+    "verify_checked": ("verify_checked", "Hit chunks compared with the KV the model recomputed (verify_hit_rate)"),
+    "verify_mismatches": ("verify_mismatch", "Stored chunks that differed from the recomputed KV (removed)"),
 }
 
 
@@ -98,11 +100,20 @@ class _EngineCollector:
         capacity = GaugeMetricFamily("lmcache_triton_capacity_bytes", "Capacity per tier",
                                      labels=(*_LABELS, "tier"))
         pinned = GaugeMetricFamily("lmcache_triton_pinned_chunks", "Chunks pinned in the CPU tier", labels=_LABELS)
+        misses = CounterMetricFamily("lmcache_triton_miss_tokens", "Tokens lookups did not find, by why",
+                                     labels=(*_LABELS, "reason"))
+        expired = CounterMetricFamily("lmcache_triton_expired_pin_leases",
+                                      "Lookup pins released by their lease, not by a load (pin_lease_secs)",
+                                      labels=_LABELS)
         with _lock:
             engines = list(_engines)
         for engine in engines:
             labels = [engine.metadata.model_name, str(engine.metadata.worker_id)]
+            engine.pins.reap()  # a lease past its bound shows as released, not as a pin
             stats = engine.get_stats()
+            for reason, n in sorted(stats.miss_tokens.items()):
+                misses.add_metric([*labels, reason], n)
+            expired.add_metric(labels, engine.pins.expired_leases)
             for f, family in counters.items():
                 family.add_metric(labels, getattr(stats, f))
             hit_rate.add_metric(labels, stats.hit_rate)
@@ -117,4 +128,4 @@ class _EngineCollector:
                 else:
                     pinned.add_metric(labels, u.get("pinned_chunks", 0))
         yield from counters.values()
-        yield from (evictions, remote_errors, checksum, hit_rate, usage, capacity, pinned)
+        yield from (evictions, remote_errors, checksum, hit_rate, usage, capacity, pinned, misses, expired)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,10 @@ class LMCacheStats:
     store_time_s: float
     retrieve_time_s: float
     store_refusals: int
+    verify_checked: int = 0
+    verify_mismatches: int = 0
+    # Tokens lookups did not find, by why (lmcache_triton.storage.manager.MISS_REASONS).
+    miss_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -52,7 +57,7 @@ class LMCStatsMonitor:
     With `labels` (model, rank), each operation is also observed in the Prometheus histograms
     of `lmcache_triton.metrics`."""
 
-    _FIELDS = tuple(LMCacheStats.__dataclass_fields__)
+    _FIELDS = tuple(f for f in LMCacheStats.__dataclass_fields__ if f != "miss_tokens")
 
     def __init__(self, labels: tuple[str, str] | None = None) -> None:
         self._lock = threading.Lock()
@@ -66,6 +71,7 @@ class LMCStatsMonitor:
     def reset(self) -> None:
         with self._lock:
             self._values: dict[str, float] = {f: 0 for f in self._FIELDS}
+            self._misses: dict[str, int] = {}
 
     def _add(self, **deltas: float) -> None:
         with self._lock:
@@ -79,9 +85,18 @@ class LMCStatsMonitor:
         if nbytes and seconds > 0:
             self._hist[f"{op}_gbps"].observe(nbytes / seconds / 1e9)
 
-    def on_lookup(self, num_tokens: int, hit_tokens: int, seconds: float = 0.0) -> None:
+    def on_lookup(self, num_tokens: int, hit_tokens: int, seconds: float = 0.0,
+                  misses: Mapping[str, int] | None = None) -> None:
         self._add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit_tokens)
+        if misses:
+            with self._lock:
+                for reason, n in misses.items():
+                    if n > 0:
+                        self._misses[reason] = self._misses.get(reason, 0) + n
         self._observe("lookup", seconds)
+
+    def on_verify(self, checked: int, mismatched: int) -> None:
+        self._add(verify_checked=checked, verify_mismatches=mismatched)
 
     def on_retrieve(self, requested_tokens: int, hit_tokens: int, nbytes: int, seconds: float) -> None:
         self._add(retrieve_requests=1, requested_tokens=requested_tokens, hit_tokens=hit_tokens,
@@ -95,4 +110,4 @@ class LMCStatsMonitor:
 
     def get_stats(self) -> LMCacheStats:
         with self._lock:
-            return LMCacheStats(**self._values)
+            return LMCacheStats(**self._values, miss_tokens=dict(self._misses))

@@ -62,7 +62,7 @@ def test_pinned_chunk_is_never_evicted_and_full_pinned_tier_refuses():
     be = _backend(2)
     _put(be, 0)
     _put(be, 1)
-    assert be.contains(_key(0), pin=True)  # oldest, but pinned by a lookup
+    assert be.get(_key(0)) is not None  # pinned by a lookup
     _put(be, 2)
     assert be.contains(_key(0)) and not be.contains(_key(1)) and be.contains(_key(2))
     held = be.get(_key(2))  # now everything is pinned
@@ -82,9 +82,12 @@ def test_remove_clear_and_duplicate_put():
     assert not be.put(_key(0), dup)
     got = be.get(_key(0))
     assert torch.all(got.tensor == 0), "the first stored object wins"
-    assert not be.remove(_key(0)), "pinned objects are not removed"
+    used = be.used_bytes
+    assert be.remove(_key(0)) and not be.contains(_key(0)), "a removed key is gone for new readers at once"
+    assert be.used_bytes == used and torch.all(got.tensor == 0), "its memory stays with its reader"
     got.unpin()
-    assert be.remove(_key(0)) and not be.contains(_key(0))
+    got.free()  # what StorageManager.release does for an object no tier holds
+    assert be.used_bytes < used
     assert be.clear() == 1 and len(be) == 0 and be.used_bytes == 0
 
 

@@ -42,7 +42,8 @@ def test_list_and_tensor_tokens_hash_alike():
 def test_key_names_everything_and_round_trips():
     key = next(iter(_db().process_tokens(torch.arange(4), namespace="tenant/a@b")))[2]
     assert (key.model_name, key.world_size, key.worker_id, key.dtype, key.fmt) == ("org/model-7b", 2, 1, "bfloat16", "KV_2LTD")
-    assert key.namespace == "tenant/a@b"
+    assert key.namespace and "tenant" not in key.to_string(), "keys carry a digest of the salt, never the salt"
+    assert key.namespace == next(iter(_db().process_tokens(torch.arange(4), namespace="tenant/a@b")))[2].namespace
     s = key.to_string()
     assert CacheEngineKey.from_string(s) == key
     layer = key.with_layer(3)
@@ -106,3 +107,33 @@ def test_keys_equal_across_processes():
     assert len(outs) == 1
     here = "|".join(k.to_string() for *_, k in _db().process_tokens(torch.arange(100, 112), namespace="ns"))
     assert outs == {here}
+
+
+def test_mm_spans_change_the_chunks_they_overlap_and_those_behind():
+    db = _db()
+    tokens = torch.arange(12)  # chunks [0,4) [4,8) [8,12)
+    a = [k for *_, k in db.process_tokens(tokens, mm_spans=[(5, 2, "img-a")])]
+    b = [k for *_, k in db.process_tokens(tokens, mm_spans=[(5, 2, "img-b")])]
+    assert a[0] == b[0], "a chunk before the image does not depend on it"
+    assert a[1] != b[1] and a[2] != b[2], "the chunk holding the image, and the prefix chain behind it"
+
+
+def test_adapter_and_model_variant_are_part_of_the_key():
+    tokens = torch.arange(8)
+    base = [k for *_, k in _db().process_tokens(tokens)]
+    lora_a = [k for *_, k in _db().process_tokens(tokens, adapter="lora:a:1234")]
+    lora_b = [k for *_, k in _db().process_tokens(tokens, adapter="lora:b:5678")]
+    assert len({base[0], lora_a[0], lora_b[0]}) == 3
+    assert lora_a[0].identity and base[0].identity == ""
+    quantized = [k for *_, k in _db(kv_identity="quantization='awq'").process_tokens(tokens)]
+    assert quantized[0] != base[0] and quantized[0].identity
+    assert CacheEngineKey.from_string(lora_a[0].to_string()) == lora_a[0]
+
+
+def test_salt_never_appears_in_a_key():
+    salt = "tenant-secret-XYZ"
+    key = next(iter(_db().process_tokens(torch.arange(4), namespace=salt)))[2]
+    assert salt not in key.to_string() and "XYZ" not in repr(key)
+    other_secret = ChunkedTokenDatabase(4, _db().metadata, namespace_secret="deployment-secret")
+    keyed = next(iter(other_secret.process_tokens(torch.arange(4), namespace=salt)))[2]
+    assert keyed.namespace != key.namespace, "the digest is keyed by namespace_secret when set"

@@ -7,8 +7,9 @@ Rules (what a user caching documents relies on):
   tokens (LMCache drops the first id, assuming a BOS; that breaks for tokenizers that add none),
   or the ids given directly.
 - Separator tokens belong to no segment: they are never cached, so the blender recomputes them.
-- A segment's key is blake2b over b"segment" + its token ids as int64 bytes + the namespace; no
-  prefix chain. Model, ranks, dtype and format are in the `CacheEngineKey` as for chunk keys, and
+- A segment's key is blake2b over b"segment" + the namespace digest and identity (model variant,
+  adapter) + its token ids as int64 bytes; no prefix chain. Multimodal inputs are folded into the
+  segments their placeholders overlap (not into "chunk i"). Model, ranks, dtype and format are in the `CacheEngineKey` as for chunk keys, and
   the b"segment" tag keeps a segment key from ever equalling a chunk key of the same tokens.
 - Segments shorter than `min_tokens` (config `blend_min_tokens`) are not cached: reusing a few
   tokens saves less than a lookup, a load and a re-rotation cost, and short runs (a question, a
@@ -31,7 +32,7 @@ import torch
 
 from lmcache_triton.memory import MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.token_database import CacheEngineKey, MMSpan, chain_seed, identity_digest, make_key, namespace_digest, spans_hash
 
 _HASH_BYTES = 16
 _DOMAIN = b"segment"
@@ -45,10 +46,10 @@ def _as_tensor(tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(tokens), dtype=torch.int64)
 
 
-def segment_hash(tokens: torch.Tensor, namespace: str = "") -> bytes:
+def segment_hash(tokens: torch.Tensor, scope: bytes = b"") -> bytes:
     h = hashlib.blake2b(digest_size=_HASH_BYTES)
     h.update(_DOMAIN)
-    h.update(namespace.encode())
+    h.update(scope)
     h.update(b"\x00")
     h.update(tokens.contiguous().numpy().tobytes())
     return h.digest()
@@ -94,7 +95,9 @@ class SegmentTokenDatabase:
     prefix_chain = False  # a segment is usable wherever it appears, whatever precedes it
 
     def __init__(self, metadata: LMCacheEngineMetadata, separator: Sequence[int] | torch.Tensor, *,
-                 min_tokens: int = 256, fmt: MemoryFormat | str | None = None) -> None:
+                 min_tokens: int = 256, fmt: MemoryFormat | str | None = None,
+                 namespace_secret: str | None = None) -> None:
+        self.namespace_secret = namespace_secret
         sep = _as_tensor(separator)
         if len(sep) == 0:
             raise ValueError("separator must have at least one token id")
@@ -116,12 +119,11 @@ class SegmentTokenDatabase:
             if tokenizer is None:
                 raise ValueError("SegmentTokenDatabase needs the model's tokenizer or the separator ids")
             separator = separator_ids(config.blend_special_str, tokenizer)
-        return cls(metadata, separator, min_tokens=config.blend_min_tokens, fmt=fmt)
+        return cls(metadata, separator, min_tokens=config.blend_min_tokens, fmt=fmt,
+                   namespace_secret=getattr(config, "namespace_secret", None))
 
-    def make_key(self, seg_hash: bytes, namespace: str = "") -> CacheEngineKey:
-        m = self.metadata
-        return CacheEngineKey(model_name=m.model_name, world_size=m.world_size, worker_id=m.worker_id,
-                              dtype=m.dtype_name, fmt=self.fmt, chunk_hash=seg_hash.hex(), namespace=namespace)
+    def make_key(self, seg_hash: bytes, namespace_hex: str = "", identity: str = "") -> CacheEngineKey:
+        return make_key(self.metadata, self.fmt, seg_hash, namespace_hex, identity)
 
     def segment_bounds(self, tokens: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
         """[start, end) of the segments that are cached (at least `min_tokens` long)."""
@@ -130,10 +132,12 @@ class SegmentTokenDatabase:
 
     def process_tokens(self, tokens: torch.Tensor | Sequence[int], mask: torch.Tensor | None = None, *,
                        namespace: str = "", extra_hashes: Sequence[bytes] | None = None,
+                       adapter: str = "", mm_spans: Sequence[MMSpan] | None = None,
                        ) -> Iterator[tuple[int, int, CacheEngineKey]]:
         """Yields (start, end, key) for each cached segment not skipped by the mask, in token order.
 
-        `extra_hashes[i]`, when given, is folded into segment i's hash (i counts cached segments).
+        `mm_spans` are folded into the segments they overlap; `extra_hashes[i]`, when given, into
+        segment i's hash (i counts cached segments).
         """
         tokens = _as_tensor(tokens)
         skip = 0
@@ -144,10 +148,15 @@ class SegmentTokenDatabase:
             skip = int((~mask).sum())
             if skip and mask[:skip].any():
                 raise ValueError("mask must be a run of False (the skipped prefix) followed by True")
+        ns_hex = namespace_digest(namespace, self.namespace_secret)
+        identity = identity_digest(self.metadata.kv_identity, adapter)
+        scope = chain_seed(ns_hex, identity)
         for i, (start, end) in enumerate(self.segment_bounds(tokens)):
             if end <= skip:
                 continue
-            h = segment_hash(tokens[start:end], namespace)
-            if extra_hashes is not None and i < len(extra_hashes) and extra_hashes[i]:
-                h = hashlib.blake2b(h + extra_hashes[i], digest_size=_HASH_BYTES).digest()
-            yield start, end, self.make_key(h, namespace)
+            h = segment_hash(tokens[start:end], scope)
+            extra = (extra_hashes[i] if extra_hashes is not None and i < len(extra_hashes) else b"")
+            extra += spans_hash(mm_spans, start, end)
+            if extra:
+                h = hashlib.blake2b(h + extra, digest_size=_HASH_BYTES).digest()
+            yield start, end, self.make_key(h, ns_hex, identity)

@@ -54,14 +54,14 @@ class LookupClient:
             sock.connect(addr)
             self._socks.append(sock)
 
-    def lookup(self, tokens: list[int], lookup_id: str, *, namespace: str = "",
-               extra_hashes: list[bytes] | None = None) -> int | None:
+    def lookup(self, tokens: list[int], lookup_id: str, *, namespace: str = "", adapter: str = "",
+               mm_spans: list | None = None) -> int | None:
         if lookup_id in self._results:
             return self._results[lookup_id]
         pending = self._pending.get(lookup_id)
         if pending is None:
             pending = _Pending(next(self._seq), time.monotonic() + self.timeout_s)
-            frames = protocol.encode_request(pending.seq, lookup_id, tokens, namespace, extra_hashes)
+            frames = protocol.encode_request(pending.seq, lookup_id, tokens, namespace, adapter, mm_spans)
             for sock in self._socks:
                 sock.send_multipart(frames, copy=False)
             self._pending[lookup_id] = pending

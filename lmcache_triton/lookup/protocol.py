@@ -1,7 +1,9 @@
 """Lookup messages over pyzmq: the scheduler's client (DEALER) to each worker's server (ROUTER).
 
 Request frames: [header JSON, token ids as little-endian int64]; header
-`{"v": 1, "seq": n, "id": lookup_id, "ns": namespace, "extra": [hex, ...] | null}`.
+`{"v": 2, "seq": n, "id": lookup_id, "ns": namespace, "adapter": str, "mm": [[offset, length, hash], ...] | null}`.
+The namespace travels in clear only here, between the scheduler and its own workers (IPC); every
+key the workers make carries a keyed digest of it.
 Reply frames: [`{"v": 1, "seq": n, "hit": tokens}`]. Sockets are IPC, named per vLLM engine id
 and rank, so two vLLM instances on one host never answer each other.
 """
@@ -14,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
 
 
 def socket_path(engine_id: str, rank: int) -> str:
@@ -22,14 +24,14 @@ def socket_path(engine_id: str, rank: int) -> str:
     return f"ipc://{os.path.join(tempfile.gettempdir(), f'lmct-lookup-{safe}-{rank}')}"
 
 
-def encode_request(seq: int, lookup_id: str, tokens: list[int], namespace: str,
-                   extra_hashes: list[bytes] | None) -> list[bytes]:
-    header = {"v": VERSION, "seq": seq, "id": lookup_id, "ns": namespace,
-              "extra": [h.hex() for h in extra_hashes] if extra_hashes else None}
+def encode_request(seq: int, lookup_id: str, tokens: list[int], namespace: str, adapter: str = "",
+                   mm_spans: list | None = None) -> list[bytes]:
+    header = {"v": VERSION, "seq": seq, "id": lookup_id, "ns": namespace, "adapter": adapter,
+              "mm": [list(s) for s in mm_spans] if mm_spans else None}
     return [json.dumps(header).encode(), np.asarray(tokens, dtype="<i8").tobytes()]
 
 
-def decode_request(frames: list[bytes]) -> tuple[dict, list[int], list[bytes] | None]:
+def decode_request(frames: list[bytes]) -> tuple[dict, list[int], list[tuple[int, int, str]] | None]:
     if len(frames) != 2:
         raise ValueError(f"lookup request must have 2 frames, got {len(frames)}")
     header = json.loads(frames[0])
@@ -38,8 +40,8 @@ def decode_request(frames: list[bytes]) -> tuple[dict, list[int], list[bytes] | 
     if len(frames[1]) % 8:
         raise ValueError("lookup token frame is not a whole number of int64")
     tokens = np.frombuffer(frames[1], dtype="<i8").tolist()
-    extra = [bytes.fromhex(h) for h in header["extra"]] if header.get("extra") else None
-    return header, tokens, extra
+    mm = [(int(o), int(n), str(h)) for o, n, h in header["mm"]] if header.get("mm") else None
+    return header, tokens, mm
 
 
 def encode_reply(seq: int, hit: int) -> list[bytes]:

@@ -32,10 +32,10 @@ class LMCacheLookupServer:
         logger.info("lmcache_triton lookup server listening on %s", self.address)
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
-        header, tokens, extra = protocol.decode_request(frames)
+        header, tokens, mm_spans = protocol.decode_request(frames)
         try:
             hit = self.engine.lookup(tokens, pin=True, lookup_id=header["id"], namespace=header.get("ns") or "",
-                                     extra_hashes=extra)
+                                     adapter=header.get("adapter") or "", mm_spans=mm_spans)
         except Exception:  # a failing lookup is a miss, never a dead server
             logger.exception("lmcache_triton lookup failed; answering 0")
             hit = 0
@@ -53,7 +53,15 @@ class LMCacheLookupServer:
             except Exception as e:
                 logger.warning("lmcache_triton lookup server: bad request (%s)", e)
                 continue
-            self._sock.send_multipart([identity, *reply])
+            self._send([identity, *reply])
+
+    def _send(self, frames: list[bytes]) -> None:
+        if self._stop.is_set():  # closed while a (slow) lookup ran: its socket is gone
+            return
+        try:
+            self._sock.send_multipart(frames)
+        except zmq.ZMQError as e:
+            logger.debug("lmcache_triton lookup server: reply dropped (%s)", e)
 
     def close(self) -> None:
         self._stop.set()
@@ -83,7 +91,7 @@ class LMCacheAsyncLookupServer(LMCacheLookupServer):
             events = dict(poller.poll(5))
             while True:  # replies are sent from this thread only: zmq sockets are not thread-safe
                 try:
-                    self._sock.send_multipart(self._done.get_nowait())
+                    self._send(self._done.get_nowait())
                 except queue.Empty:
                     break
             if events:

@@ -22,6 +22,8 @@ AllocateFn = Callable[[tuple[int, ...], torch.dtype, MemoryFormat], MemoryObj | 
 
 class StorageBackend(abc.ABC):
     name: str
+    # True when `contains` answers from memory (no I/O): `store`, on vLLM's per-step path, may ask.
+    indexed_in_memory: bool = False
 
     @abc.abstractmethod
     def contains(self, key: CacheEngineKey) -> bool:
@@ -29,6 +31,10 @@ class StorageBackend(abc.ABC):
 
     def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         return [self.contains(k) for k in keys]
+
+    def try_batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool] | None:
+        """`batched_contains`, or None when the backend could not be asked (down, failing)."""
+        return self.batched_contains(keys)
 
     @abc.abstractmethod
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:

@@ -18,7 +18,9 @@ logger = logging.getLogger("lmcache_triton")
 class LocalCPUBackend:
     """LRU map key -> MemoryObj over a TensorMemoryPool of `size_bytes`.
 
-    A pinned object (being read, or reported by a lookup that a load will follow) is never evicted.
+    A pinned object (being read, written through, or reported by a lookup that a load will
+    follow) is never evicted. Pins are taken by `get` (or by `put(pins=n)`) and released through
+    the object (`StorageManager.release`), never by key: a key may be removed or replaced meanwhile.
     When every object is pinned and the pool is full, `allocate` refuses (returns None): the caller
     skips storing that chunk, which costs a future miss, never an OOM.
     """
@@ -35,14 +37,9 @@ class LocalCPUBackend:
         self.num_refusals = 0
 
     # ---- queries -------------------------------------------------------------------------------
-    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+    def contains(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            obj = self._objs.get(key)
-            if obj is None:
-                return False
-            if pin:
-                obj.pin()
-            return True
+            return key in self._objs
 
     def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """The object, pinned for the caller (who must `unpin()` it), and marked recently used."""
@@ -53,15 +50,6 @@ class LocalCPUBackend:
             self._objs.move_to_end(key)
             obj.pin()
             return obj
-
-    def unpin(self, key: CacheEngineKey) -> bool:
-        """Releases one pin taken by `get` or `contains(pin=True)`; False if none was held."""
-        with self._lock:
-            obj = self._objs.get(key)
-            if obj is None or not obj.is_pinned:
-                return False
-            obj.unpin()
-            return True
 
     def holds(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
         """Whether `obj` is the object this tier keeps under `key`."""
@@ -102,24 +90,30 @@ class LocalCPUBackend:
                     return None
             return obj
 
-    def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
-        """Takes ownership of `obj`. A key already present keeps its object; the new one is freed."""
+    def put(self, key: CacheEngineKey, obj: MemoryObj, pins: int = 0) -> bool:
+        """Takes ownership of `obj`, with `pins` pins already on it when another thread can first
+        see it (pinning after the insert would let an eviction in between free memory the caller
+        is about to read). A key already present keeps its object; the new one is freed."""
         with self._lock:
             if key in self._objs:
                 self._objs.move_to_end(key)
                 obj.free()
                 return False
+            for _ in range(pins):
+                obj.pin()
             self._objs[key] = obj
             return True
 
-    def remove(self, key: CacheEngineKey, *, force: bool = False) -> bool:
-        """Drops a key; a pinned object stays unless `force`."""
+    def remove(self, key: CacheEngineKey) -> bool:
+        """Drops a key. A pinned object leaves the map now (no new reader finds it) and its memory
+        goes back to the pool at its last release (`StorageManager.release` frees objects that no
+        tier holds)."""
         with self._lock:
-            obj = self._objs.get(key)
-            if obj is None or (obj.is_pinned and not force):
+            obj = self._objs.pop(key, None)
+            if obj is None:
                 return False
-            del self._objs[key]
-            obj.free()
+            if not obj.is_pinned:
+                obj.free()
             return True
 
     def clear(self) -> int:

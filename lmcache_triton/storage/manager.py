@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -47,6 +48,18 @@ def _lower_tiers(config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata | 
     return tiers
 
 
+# Why a chunk is missing, for the lmcache_triton_miss_tokens_total{reason} counter.
+MISS_NEVER_STORED = "never_stored"
+MISS_EVICTED = "evicted"
+MISS_CORRUPT = "checksum_or_format"
+MISS_REMOTE = "remote_error"
+MISS_REFUSED = "pinned_tier_refusal"
+MISS_PARTIAL = "partial_chunk"
+MISS_BLEND = "blending_ineligible"
+MISS_REASONS = (MISS_NEVER_STORED, MISS_EVICTED, MISS_CORRUPT, MISS_REMOTE, MISS_REFUSED, MISS_PARTIAL, MISS_BLEND)
+_RECENT_MISSES = 16384  # keys remembered with why they went (or never came): ~2 MB
+
+
 class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata | None = None, *,
                  pin_memory: bool | None = None) -> None:
@@ -54,55 +67,112 @@ class StorageManager:
         size = int(config.max_local_cpu_size * _GB)
         if size <= 0:
             raise ValueError(f"max_local_cpu_size must be > 0 GB to stage chunks, got {config.max_local_cpu_size}")
-        self.cpu = LocalCPUBackend(size, pin_memory=pin_memory)
+        self.cpu = LocalCPUBackend(size, pin_memory=pin_memory, on_evict=self._on_evict)
         self.tiers = _lower_tiers(config, metadata)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-write") if self.tiers else None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+        self._recent: OrderedDict[CacheEngineKey, str] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self._closed = False
+
+    # ---- why a miss ------------------------------------------------------------------------------
+    def note_miss(self, key: CacheEngineKey, reason: str) -> None:
+        with self._recent_lock:
+            self._recent[key] = reason
+            self._recent.move_to_end(key)
+            while len(self._recent) > _RECENT_MISSES:
+                self._recent.popitem(last=False)
+
+    def miss_reason(self, key: CacheEngineKey) -> str:
+        """Why `key` is not stored, as far as this process saw it go."""
+        with self._recent_lock:
+            return self._recent.get(key, MISS_NEVER_STORED)
+
+    def _on_evict(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        self.note_miss(key, MISS_EVICTED)
 
     # ---- allocation ------------------------------------------------------------------------------
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
         return self.cpu.allocate(shape, dtype, fmt)
 
     # ---- queries ---------------------------------------------------------------------------------
-    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return self.batched_contains([key], pin=pin) == 1
+    def contains(self, key: CacheEngineKey) -> bool:
+        return self.batched_contains([key]) == 1
 
-    def contains_each(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        """Presence of every key in any tier, asking each lower tier once for what is still missing."""
+    def contains_in_memory(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Presence as far as it is known without I/O: the CPU tier and the lower tiers that index
+        their chunks in memory (the disk). `store` runs inside vLLM's step and asks only this: a
+        remote that hangs must not hold the forward pass. The remote writers skip duplicates."""
         found = [self.cpu.contains(k) for k in keys]
+        for tier in self.tiers:
+            if tier.indexed_in_memory:
+                found = [f or tier.contains(k) for f, k in zip(found, keys)]
+        return found
+
+    def _lower_contains(self, keys: Sequence[CacheEngineKey]) -> tuple[list[bool], bool]:
+        """Presence in the lower tiers, asking each once for what is still missing; and whether a
+        tier could not answer (unreachable, failing)."""
+        found = [False] * len(keys)
+        unreachable = False
         for tier in self.tiers:
             missing = [i for i, f in enumerate(found) if not f]
             if not missing:
                 break
-            for i, hit in zip(missing, tier.batched_contains([keys[i] for i in missing])):
-                found[i] = found[i] or hit
+            answer = tier.try_batched_contains([keys[i] for i in missing])
+            if answer is None:
+                unreachable = True
+                continue
+            for i, hit in zip(missing, answer):
+                found[i] = hit
+        return found, unreachable
+
+    def contains_each(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Presence of every key in any tier (asks the lower tiers: I/O)."""
+        found = [self.cpu.contains(k) for k in keys]
+        missing = [i for i, f in enumerate(found) if not f]
+        if missing and self.tiers:
+            lower, _ = self._lower_contains([keys[i] for i in missing])
+            for i, hit in zip(missing, lower):
+                found[i] = hit
         return found
 
-    def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+    def batched_contains(self, keys: Sequence[CacheEngineKey], pinned: list | None = None) -> int:
         """How many of `keys`, from the first, are present in some tier (a prefix count).
 
-        With `pin`, the counted chunks are pinned in the CPU tier (lower-tier hits are promoted
-        into it first, the prefetch path), and stay until `unpin(key)`."""
+        With `pinned` (a list), every counted chunk is pinned in the CPU tier (lower-tier hits are
+        promoted into it first, the prefetch path) and appended to it as (key, obj) as soon as it
+        is: the caller `release`s each. The first missing key's reason is noted for the metrics."""
         n = 0
         for key in keys:
-            if not self.cpu.contains(key, pin=pin):
+            if pinned is None:
+                hit = self.cpu.contains(key)
+            else:
+                obj = self.cpu.get(key)
+                hit = obj is not None
+                if hit:
+                    pinned.append((key, obj))
+            if not hit:
                 break
             n += 1
         if n == len(keys) or not self.tiers:
             return n
         rest = keys[n:]
-        present = self.contains_each(rest)
+        present, unreachable = self._lower_contains(rest)
         for key, hit in zip(rest, present):
             if not hit:
+                if unreachable:
+                    self.note_miss(key, MISS_REMOTE)
                 break
-            if pin:
+            if pinned is not None:
                 obj = self.get(key)  # promoted and pinned; stays pinned for the caller's load
-                if obj is None:
+                if obj is None:  # listed, but unreadable or failing its checks
+                    self.note_miss(key, MISS_CORRUPT)
                     break
-                if not self.cpu.holds(key, obj):  # local_cpu off: no tier keeps it, `unpin` could never
-                    self.release(key, obj)        # find it; free it now, the load reads it again
+                if self.cpu.holds(key, obj):
+                    pinned.append((key, obj))
+                else:  # local_cpu off: no tier keeps it; free it now, the load reads it again
+                    self.release(key, obj)
             n += 1
         return n
 
@@ -112,12 +182,17 @@ class StorageManager:
         if obj is not None:
             return obj
         for tier in self.tiers:
+            known = tier.indexed_in_memory and tier.contains(key)
             obj = tier.get(key, self.cpu.allocate)
             if obj is None:
+                if known and not tier.contains(key):  # indexed, then dropped by its checks
+                    self.note_miss(key, MISS_CORRUPT)
                 continue
-            if self.config.local_cpu and not self.cpu.put(key, obj):
+            if not self.config.local_cpu:
+                obj.pin()  # in no tier: nobody else can see it yet
+                return obj
+            if not self.cpu.put(key, obj, pins=1):  # pinned before other threads can evict it
                 return self.cpu.get(key)  # another thread promoted it first; ours was freed
-            obj.pin()
             return obj
         return None
 
@@ -125,24 +200,27 @@ class StorageManager:
         return [self.get(k) for k in keys]
 
     def release(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        """Ends a use begun by `get`: unpins, and frees objects that live in no tier."""
+        """Ends a use begun by `get` (or a pin of `batched_contains`, or a write-through): unpins,
+        and frees objects that live in no tier (MemoryObj.free is idempotent: two last releases
+        racing free once)."""
         obj.unpin()
         if not obj.is_pinned and not self.cpu.holds(key, obj):
             obj.free()
 
-    def unpin(self, key: CacheEngineKey) -> None:
-        """Releases a pin taken by `contains(pin=True)` / `batched_contains(pin=True)`."""
-        self.cpu.unpin(key)
-
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        """Takes ownership of `obj`: into the CPU tier now, written through to lower tiers later."""
+        """Takes ownership of `obj`: into the CPU tier now, written through to lower tiers later.
+
+        Every write-through pin is on the object before any other thread can see it: an eviction
+        in between would free memory that a writer has yet to read."""
+        writes = len(self.tiers)
         if self.config.local_cpu:
-            if not self.cpu.put(key, obj):
+            if not self.cpu.put(key, obj, pins=writes):
                 return  # already stored; the duplicate was freed
-        for _ in self.tiers:  # every pin before any write starts: a write that finishes first
-            obj.pin()         # would otherwise free (local_cpu off) or expose to eviction an obj
-        for tier in self.tiers:  # that the next tier's write has yet to read
+        else:
+            for _ in range(writes):
+                obj.pin()
+        for tier in self.tiers:
             future = self._writer.submit(self._write, tier, key, obj)
             with self._pending_lock:
                 self._pending.add(future)
@@ -173,6 +251,7 @@ class StorageManager:
         wait(pending, timeout=timeout)
 
     def remove(self, key: CacheEngineKey) -> bool:
+        """Drops `key` from every tier (a pinned CPU object is freed at its last release)."""
         removed = self.cpu.remove(key)
         for tier in self.tiers:
             removed = tier.remove(key) or removed

@@ -60,6 +60,7 @@ class RemoteCounters:
     corrupt: int = 0
     errors: int = 0
     skipped_unavailable: int = 0  # calls answered locally during a back-off
+    skipped_duplicates: int = 0   # puts of chunks the remote already held
     evictions: int = 0            # the remote evicts on its own; not observed from here
     used_bytes: int = 0           # unknown from the client side (see the server's STATS)
     capacity_bytes: int = 0
@@ -105,6 +106,9 @@ class RemoteChunkBackend(StorageBackend):
     def _delete(self, key: str) -> bool:
         raise NotImplementedError
 
+    def _exists_before_put(self, key: str) -> list[bool]:
+        return self._exists([key])
+
     def _close(self) -> None:
         raise NotImplementedError
 
@@ -113,8 +117,10 @@ class RemoteChunkBackend(StorageBackend):
         with self._lock:
             setattr(self._counters, field, getattr(self._counters, field) + n)
 
-    def _call(self, what: str, fn: Callable[[], T]) -> tuple[bool, T | None]:
-        """(True, result) or (False, None) after counting and (once per outage) logging the error."""
+    def _call(self, what: str, fn: Callable[[], T],
+              passthrough: type[Exception] | tuple[type[Exception], ...] = ()) -> tuple[bool, T | None]:
+        """(True, result) or (False, None) after counting and (once per outage) logging the error;
+        exceptions of the `passthrough` types reach the caller (who counts them)."""
         if self._closed:
             return False, None
         with self._lock:
@@ -123,6 +129,8 @@ class RemoteChunkBackend(StorageBackend):
                 return False, None
         try:
             result = fn()
+        except passthrough:
+            raise
         except Exception as e:  # fail-soft is the contract: nothing from the remote reaches vLLM
             with self._lock:
                 self._counters.errors += 1
@@ -148,16 +156,29 @@ class RemoteChunkBackend(StorageBackend):
         return self.batched_contains([key])[0]
 
     def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        found = self.try_batched_contains(keys)
+        return [False] * len(keys) if found is None else found
+
+    def try_batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool] | None:
         if not keys:
             return []
         ok, found = self._call("exists", lambda: self._exists([k.to_string() for k in keys]))
         if not ok or found is None or len(found) != len(keys):
-            return [False] * len(keys)
+            return None
         return found
 
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        """Runs on the StorageManager's writer threads, never in vLLM's step: so the duplicate
+        check is here (one EXISTS round trip, cheap next to the PUT it may save), not in `store`."""
         self._count("puts")
         k = key.to_string()
+        ok, present = self._call("exists", lambda: self._exists_before_put(k))
+        if not ok:  # down or failing: the PUT would fail the same way
+            self._count("put_failures")
+            return False
+        if present and present[0]:
+            self._count("skipped_duplicates")
+            return True
         try:
             data = serde.serialize(k, obj.tensor, obj.fmt, self.compression)
         except Exception as e:  # not a chunk serde can write (a caller bug), but put never raises
@@ -172,12 +193,13 @@ class RemoteChunkBackend(StorageBackend):
     def get(self, key: CacheEngineKey, allocate: AllocateFn) -> MemoryObj | None:
         self._count("gets")
         k = key.to_string()
-        ok, data = self._call("get", lambda: self._get_bytes(k))
-        if not ok or data is None:
-            self._count("misses")
-            return None
         obj = None
         try:
+            # a value that cannot be ours (e.g. larger than any chunk) raises SerdeError: corrupt
+            ok, data = self._call("get", lambda: self._get_bytes(k), passthrough=serde.SerdeError)
+            if not ok or data is None:
+                self._count("misses")
+                return None
             header = serde.read_header(data)
             if header.key != k:
                 raise serde.SerdeError(f"remote returned chunk {header.key!r} for key {k!r}")
@@ -382,11 +404,20 @@ class CacheServerBackend(RemoteChunkBackend):
     def __init__(self, host: str, port: int, metadata: LMCacheEngineMetadata | None = None, *,
                  compression: str = "naive", timeout_s: float = 10.0, auth_token: str | None = None) -> None:
         super().__init__(url=f"lm://{host}:{port}", metadata=metadata, compression=compression, timeout_s=timeout_s)
-        self.client = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token)
+        # A GET of more than a chunk can be is cut off by ZMQ (MAXMSGSIZE) before it is allocated.
+        limits = Limits(max_value_bytes=serde.max_serialized_nbytes(metadata)) if metadata is not None else Limits()
+        # Reads (lookups, loads) and writes (the write-through threads) on separate connections:
+        # a client handles one request at a time, and a lookup must not queue behind a PUT of
+        # megabytes to a slow server.
+        self.client = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token, limits=limits)
+        self.writer = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token, limits=limits)
         self.client.connect()  # in the background: by the first lookup the connection is usually up
 
     def _put_bytes(self, key: str, data: bytes) -> None:
-        self.client.put(key.encode(), data)
+        self.writer.put(key.encode(), data)
+
+    def _exists_before_put(self, key: str) -> list[bool]:
+        return self.writer.exists([key.encode()])
 
     def _get_bytes(self, key: str) -> memoryview | None:
         return self.client.get(key.encode())
@@ -399,6 +430,7 @@ class CacheServerBackend(RemoteChunkBackend):
 
     def _close(self) -> None:
         self.client.close()
+        self.writer.close()
 
     def server_stats(self) -> dict | None:
         """The server's STATS (capacity, used bytes, evictions...), or None when unreachable."""

@@ -12,7 +12,7 @@ from lmcache_triton.integration.vllm.specs import (  # noqa: E402
     LoadSpec,
     ReqMeta,
     RequestTracker,
-    chunk_extra_hashes,
+    mm_spans,
 )
 
 BLOCK, CHUNK = 16, 32
@@ -77,11 +77,10 @@ def test_preemption_restarts_from_new_blocks():
     assert _meta(t) is None  # nothing new to save until the next chunk completes
 
 
-def test_multimodal_hashes_change_only_the_chunks_they_overlap():
-    pos = [SimpleNamespace(offset=40, length=10)]
-    a = chunk_extra_hashes(["img-a"], pos, 100, CHUNK)
-    b = chunk_extra_hashes(["img-b"], pos, 100, CHUNK)
-    assert a[0] == b[0] == b"" and a[1] != b[1] and a[2] == b[2] == b""
+def test_multimodal_features_become_spans():
+    pos = [SimpleNamespace(offset=40, length=10), SimpleNamespace(offset=70, length=5)]
+    assert mm_spans(["img-a", "img-b"], pos) == [(40, 10, "img-a"), (70, 5, "img-b")]
+    assert mm_spans(None, None) is None
 
 
 def test_metadata_collects_requests():

@@ -3,8 +3,9 @@
     python vllm_runner.py SPEC.json OUT.json
 
 SPEC: {"model": path, "connector": null | {extra config dict}, "kv_role": str, "llm_args": {...},
-       "steps": [{"prompt": [ids], "cache_salt": str | null, "max_tokens": n}
-                 | {"kill_pid": pid} | {"corrupt_dir": path} | {"scrape": url}]}
+       "steps": [{"prompt": [ids], "cache_salt": str | null, "max_tokens": n,
+                  "lora": null | {"name": str, "id": int, "path": str}}
+                 | {"kill_pid": pid} | {"corrupt_dir": path} | {"scrape": url} | fault steps (fault_step)]}
 Each generate step records the output token ids, vLLM's num_cached_tokens and the time.
 A separate process per vLLM engine: vLLM keeps process-wide state, and the tests restart it.
 """
@@ -26,6 +27,47 @@ def corrupt_dir(path: str) -> int:
         f.write_bytes(bytes(data))
         n += 1
     return n
+
+
+def fault_step(llm, step: dict) -> dict | None:
+    """The fault-injection steps (tests/integration/test_faults_e2e.py); None for any other step.
+    {"sigstop_pid": pid} | {"sigcont_pid": pid} | {"sleep": s} | {"truncate_files": [paths]}
+    | {"list_dir": path, "min_files": n}: the chunk files there, once >= n exist (waits <= 10 s)
+    | {"abort_mid_load": {"prompt": [ids], "steps": n, "max_tokens": m}}: added with
+      LLMEngine.add_request, n LLMEngine.step() calls, then abort_request."""
+    t = time.perf_counter()
+    for key, sig in (("sigstop_pid", signal.SIGSTOP), ("sigcont_pid", signal.SIGCONT)):
+        if key in step:
+            os.kill(step[key], sig)
+            return {key: step[key]}
+    if "sleep" in step:
+        time.sleep(step["sleep"])
+        return {"slept": step["sleep"]}
+    if "truncate_files" in step:
+        for f in step["truncate_files"]:
+            os.truncate(f, os.path.getsize(f) // 2)
+        return {"truncated": len(step["truncate_files"])}
+    if "list_dir" in step:  # chunk files land after the write-through threads: wait (bounded) for them
+        root = Path(step["list_dir"])
+        while True:
+            files = sorted(str(f.relative_to(root)) for f in root.rglob("*.safetensors"))
+            if len(files) >= step.get("min_files", 0) or time.perf_counter() - t > 10:
+                return {"files": files}
+            time.sleep(0.05)
+    if "abort_mid_load" in step:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        a, engine = step["abort_mid_load"], llm.llm_engine
+        sp = SamplingParams(temperature=0.0, max_tokens=a.get("max_tokens", 64), ignore_eos=True)
+        rid = engine.add_request(f"abort-{os.urandom(4).hex()}", TokensPrompt(prompt_token_ids=a["prompt"]), sp)
+        outputs = sum(len(engine.step()) for _ in range(a.get("steps", 1)))
+        engine.abort_request([rid], internal=True)
+        while engine.has_unfinished_requests() and time.perf_counter() - t < 30:
+            engine.step()
+        return {"aborted": rid, "outputs_before_abort": outputs, "unfinished": engine.has_unfinished_requests(),
+                "seconds": time.perf_counter() - t}
+    return None
 
 
 def main() -> None:
@@ -58,12 +100,20 @@ def main() -> None:
         if "corrupt_dir" in step:
             results["steps"].append({"corrupted": corrupt_dir(step["corrupt_dir"])})
             continue
+        if (done := fault_step(llm, step)) is not None:
+            results["steps"].append(done)
+            continue
         sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
         prompt = TokensPrompt(prompt_token_ids=step["prompt"])
         if step.get("cache_salt"):
             prompt["cache_salt"] = step["cache_salt"]
+        lora = None
+        if step.get("lora"):  # the adapter serving this request (llm_args must carry enable_lora)
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(step["lora"]["name"], step["lora"]["id"], step["lora"]["path"])
         t = time.perf_counter()
-        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
         results["steps"].append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
                                  "seconds": time.perf_counter() - t})
     metrics = {}

@@ -100,11 +100,13 @@ def test_pinned_contains_promotes_disk_chunks_until_unpin(kv_metadata, make_chun
     first.flush(timeout=10)
     second = _manager(kv_metadata, disk=tmp_path)
     managers.append(second)
-    assert second.batched_contains(keys, pin=True) == 3
+    pinned: list = []
+    assert second.batched_contains(keys, pinned=pinned) == 3
+    assert [k for k, _ in pinned] == keys
     assert len(second.cpu) == 3 and second.cpu.num_pinned == 3, "promoted and pinned for the coming load"
     assert second.clear() == 0, "pinned chunks cannot be dropped"
-    for k in keys:
-        second.unpin(k)
+    for k, obj in pinned:
+        second.release(k, obj)
     assert second.cpu.num_pinned == 0
     assert second.clear() == 3
 
@@ -156,7 +158,8 @@ def test_pinned_contains_without_local_cpu_leaks_nothing(kv_metadata, make_chunk
     managers.append(m)
     keys = [_put(m, make_chunk, seed)[0] for seed in range(3)]
     m.flush(timeout=10)
-    assert m.batched_contains(keys, pin=True) == 3
-    for k in keys:
-        m.unpin(k)
+    pinned: list = []
+    assert m.batched_contains(keys, pinned=pinned) == 3
+    for k, obj in pinned:
+        m.release(k, obj)
     assert m.cpu.used_bytes == 0, "with local_cpu off, a pinned lookup must not strand staged chunks in the pool"

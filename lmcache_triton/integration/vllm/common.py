@@ -46,3 +46,22 @@ def engine_id(vllm_config: Any) -> str:
 def world_size(vllm_config: Any) -> int:
     p = vllm_config.parallel_config
     return p.tensor_parallel_size * p.pipeline_parallel_size
+
+
+def kv_identity(vllm_config: Any, block_format: str) -> str:
+    """Everything of vLLM's config that changes a token's KV besides the model name, ranks and KV
+    dtype (which keys carry on their own): a revision, a quantization, rope or other HF-config
+    overrides, the KV cache dtype as configured (fp8 variants share a storage dtype), and the
+    cache's block format. Two engines that differ here never share a chunk."""
+    mc = vllm_config.model_config
+    parts = {
+        "revision": getattr(mc, "revision", None),
+        "quantization": getattr(mc, "quantization", None),
+        "hf_overrides": getattr(mc, "hf_overrides", None),
+        "rope": getattr(getattr(mc, "hf_config", None), "rope_scaling", None),
+        "rope_theta": getattr(getattr(mc, "hf_config", None), "rope_theta", None),
+        "dtype": str(getattr(mc, "dtype", "")),
+        "cache_dtype": getattr(vllm_config.cache_config, "cache_dtype", None),
+        "blocks": block_format,
+    }
+    return ";".join(f"{k}={v!r}" for k, v in parts.items() if v not in (None, "", {}, "auto"))

