@@ -207,10 +207,8 @@ class LMCacheEngine:
         hit = 0
         lease = self.pins.begin(lookup_id or "") if pin else None
         misses: Counter[str] = Counter()
-        covered = 0
         try:
             for start, end, key in self._chunks(tokens, None, kwargs):
-                covered = max(covered, end)
                 keys = self._object_keys(key)
                 pinned: list | None = [] if lease is not None else None
                 n = self.storage_manager.batched_contains(keys, pinned=pinned)
@@ -227,22 +225,16 @@ class LMCacheEngine:
         finally:
             if lease is not None:
                 self.pins.end(lease)
-        uncovered = len(tokens) - self._chunk_end(tokens) if self.prefix_chain else len(tokens) - covered
-        if self.prefix_chain and uncovered:
-            misses[MISS_PARTIAL] += uncovered
-        elif not self.prefix_chain:
-            covered_tokens = sum(e - s for s, e in self._segment_bounds(tokens))
-            if len(tokens) - covered_tokens:
-                misses[MISS_BLEND] += len(tokens) - covered_tokens
+        if self.prefix_chain:  # the tail of a partial chunk (save_unfull_chunk off) is never stored
+            misses[MISS_PARTIAL] += len(tokens) - self._chunk_end(tokens)
+        else:  # separators and segments too short to cache
+            misses[MISS_BLEND] += len(tokens) - sum(e - s for s, e in self.token_database.segment_bounds(tokens))
         self.stats_monitor.on_lookup(len(tokens), hit, time.perf_counter() - t0, misses)
         return hit
 
     def _chunk_end(self, tokens: Tokens) -> int:
         bounds = self.token_database.chunk_bounds(len(tokens))
         return bounds[-1][1] if bounds else 0
-
-    def _segment_bounds(self, tokens: Tokens) -> list[tuple[int, int]]:
-        return self.token_database.segment_bounds(tokens)
 
     def lookup_unpin(self, lookup_id: str | None = None) -> None:
         """Releases the pins a `lookup(pin=True, lookup_id=...)` took, took meanwhile, or will take."""
@@ -259,7 +251,7 @@ class LMCacheEngine:
         checked = mismatched = 0
         for start, end, key in self._chunks(tokens, None, kwargs):
             keys = self._object_keys(key)
-            stored = [self.storage_manager.cpu.get(k) for k in keys]  # memory only: this is vLLM's step
+            stored = [self.storage_manager.get_in_memory(k) for k in keys]  # no I/O: this is vLLM's step
             try:
                 if any(obj is None for obj in stored):
                     continue

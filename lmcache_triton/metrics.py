@@ -129,3 +129,33 @@ class _EngineCollector:
                     pinned.add_metric(labels, u.get("pinned_chunks", 0))
         yield from counters.values()
         yield from (evictions, remote_errors, checksum, hit_rate, usage, capacity, pinned, misses, expired)
+
+
+def scrape_engine_stats(url: str, timeout: float = 5.0) -> dict[str, dict]:
+    """A worker's lmcache_triton_* metrics at `url` (its /metrics), per model and rank: counters
+    and gauges by name, and `miss_tokens` by reason. For `lmcache-triton stats http://...`."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        text = reply.read().decode()
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("lmcache_triton_") or family.type == "histogram":
+            continue
+        name = family.name.removeprefix("lmcache_triton_")
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = dict(sample.labels)
+            engine = out.setdefault(f"{labels.pop('model', '')} rank {labels.pop('rank', '')}", {})
+            if "reason" in labels:
+                engine.setdefault(name, {})[labels["reason"]] = sample.value
+            elif "tier" in labels:
+                engine.setdefault(name, {})[labels["tier"]] = sample.value
+            else:
+                engine[name] = sample.value
+    if not out:
+        raise ValueError(f"{url} serves no lmcache_triton metrics")
+    return out

@@ -563,9 +563,11 @@ def add_server_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_stats_parser(subparsers) -> argparse.ArgumentParser:
-    """`lmcache-triton stats lm://host:port`: a running server's STATS as JSON."""
-    p = subparsers.add_parser("stats", help="print a cache server's statistics (JSON)")
-    p.add_argument("url", help="lm://host:port")
+    """`lmcache-triton stats lm://host:port | http://host:port/metrics`: a running server's STATS,
+    or a vLLM worker's cache metrics (hits, misses by reason, pins, verified hits), as JSON."""
+    p = subparsers.add_parser("stats", help="print a cache server's or a vLLM worker's cache statistics (JSON)")
+    p.add_argument("url", help="lm://host:port (a cache server), or http://host:port/metrics (a worker's "
+                               "prometheus_port)")
     p.add_argument("--auth-token", default=None, help=f"default: ${AUTH_TOKEN_ENV}")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
     p.add_argument("--watch", type=float, metavar="SECONDS", default=None,
@@ -578,19 +580,25 @@ def add_stats_parser(subparsers) -> argparse.ArgumentParser:
 def run_stats(args: argparse.Namespace) -> int:
     from lmcache_triton.storage.remote import CacheServerClient, RemoteError, parse_lm_url
 
-    try:
-        host, port = parse_lm_url(args.url)
-    except ValueError as e:
-        print(f"lmcache-triton stats: {e}", file=sys.stderr)
-        return 2
-    client = CacheServerClient(host, port, timeout_s=args.timeout,
-                               auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV))
+    if args.url.startswith(("http://", "https://")):
+        from lmcache_triton.metrics import scrape_engine_stats
+
+        fetch, errors, close = (lambda: scrape_engine_stats(args.url, args.timeout)), (OSError, ValueError), None
+    else:
+        try:
+            host, port = parse_lm_url(args.url)
+        except ValueError as e:
+            print(f"lmcache-triton stats: {e}", file=sys.stderr)
+            return 2
+        client = CacheServerClient(host, port, timeout_s=args.timeout,
+                                   auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV))
+        fetch, errors, close = client.stats, RemoteError, client.close
     views = 0
     try:
         while True:
             try:
-                stats = client.stats()
-            except RemoteError as e:
+                stats = fetch()
+            except errors as e:
                 print(f"lmcache-triton stats: {e}", file=sys.stderr)
                 if args.watch is None:
                     return 1
@@ -605,7 +613,8 @@ def run_stats(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        client.close()
+        if close is not None:
+            close()
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -72,6 +72,10 @@ class StorageManager:
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-write") if self.tiers else None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+        # With local_cpu off, chunks a pinned lookup read from a lower tier wait here for the load
+        # (which then reads memory, not the disk or network again), until their last release.
+        self._staged: dict[CacheEngineKey, MemoryObj] = {}
+        self._staged_lock = threading.Lock()
         self._recent: OrderedDict[CacheEngineKey, str] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._closed = False
@@ -169,16 +173,16 @@ class StorageManager:
                 if obj is None:  # listed, but unreadable or failing its checks
                     self.note_miss(key, MISS_CORRUPT)
                     break
-                if self.cpu.holds(key, obj):
-                    pinned.append((key, obj))
-                else:  # local_cpu off: no tier keeps it; free it now, the load reads it again
-                    self.release(key, obj)
+                if not self.cpu.holds(key, obj):  # local_cpu off: staged for the load, freed at release
+                    with self._staged_lock:
+                        self._staged.setdefault(key, obj)
+                pinned.append((key, obj))
             n += 1
         return n
 
     def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """The chunk, pinned for the caller, from the first tier that has it; `release` it when done."""
-        obj = self.cpu.get(key)
+        obj = self.get_in_memory(key)
         if obj is not None:
             return obj
         for tier in self.tiers:
@@ -196,6 +200,17 @@ class StorageManager:
             return obj
         return None
 
+    def get_in_memory(self, key: CacheEngineKey) -> MemoryObj | None:
+        """`get` without I/O: the CPU tier, or a chunk a pinned lookup staged (with local_cpu off)."""
+        obj = self.cpu.get(key)
+        if obj is not None:
+            return obj
+        with self._staged_lock:
+            obj = self._staged.get(key)
+            if obj is not None:
+                obj.pin()
+            return obj
+
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         return [self.get(k) for k in keys]
 
@@ -205,6 +220,11 @@ class StorageManager:
         racing free once)."""
         obj.unpin()
         if not obj.is_pinned and not self.cpu.holds(key, obj):
+            with self._staged_lock:
+                if obj.is_pinned:  # get_in_memory took it again meanwhile
+                    return
+                if self._staged.get(key) is obj:
+                    del self._staged[key]
             obj.free()
 
     # ---- writes ----------------------------------------------------------------------------------

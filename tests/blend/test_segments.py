@@ -69,3 +69,43 @@ def test_from_config_tokenizes_the_separator_without_special_tokens():
     assert SegmentTokenDatabase.from_config(cfg, _meta(), separator=SEP).separator.tolist() == SEP
     with pytest.raises(ValueError):
         SegmentTokenDatabase.from_config(cfg, _meta())
+
+
+def test_multimodal_inputs_change_the_segment_they_sit_in_wherever_it_appears():
+    """A document with an image keeps its key when it moves in the prompt (the image moves with
+    it), changes when the image changes, and its neighbours never depend on the image."""
+    doc, q = [40, 41, 42, 43], [60, 61]
+    db = _db()
+
+    def keys(tokens, spans):
+        return {tuple(tokens[s:e]): k for s, e, k in db.process_tokens(tokens, mm_spans=spans)}
+
+    first = keys(doc + SEP + q, [(1, 2, "img-a")])           # image inside doc at offset 1
+    moved = keys(q + SEP + doc, [(len(q) + 2 + 1, 2, "img-a")])
+    other = keys(doc + SEP + q, [(1, 2, "img-b")])
+    assert first[tuple(doc)] == moved[tuple(doc)], "the same document with the same image hits anywhere"
+    assert first[tuple(doc)] != other[tuple(doc)], "another image is another segment"
+    plain = keys(doc + SEP + q, None)
+    assert first[tuple(q)] == other[tuple(q)] == plain[tuple(q)], "the question holds no image"
+
+
+def test_lookup_counts_tokens_outside_cacheable_segments_as_blending_ineligible():
+    from lmcache_triton import create_gpu_connector
+    from lmcache_triton.engine import LMCacheEngine
+    from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+
+    config = LMCacheEngineConfig.from_defaults(chunk_size=4, max_local_cpu_size=0.01, use_layerwise=True,
+                                               enable_blending=True, blend_min_tokens=3)
+    meta = _meta()
+    conn = create_gpu_connector(config, meta, "vllm_cpu")
+    engine = LMCacheEngine(config, meta, conn, token_database=SegmentTokenDatabase(meta, SEP, min_tokens=3,
+                                                                                   fmt=conn.fmt))
+    try:
+        doc, short = [40, 41, 42, 43], [60, 61]
+        tokens = doc + SEP + short
+        caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_size=32)
+        engine.store(doc, kvcaches=caches, slot_mapping=random_slot_mapping(4, num_blocks=4, block_size=4))
+        assert engine.lookup(tokens) == len(doc)
+        assert engine.get_stats().miss_tokens == {"blending_ineligible": len(SEP) + len(short)}
+    finally:
+        engine.close()

@@ -257,3 +257,58 @@ def test_too_few_blocks_never_raise_in_the_scheduler():
     meta = ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, load_spec=LoadSpec(0, 96, True))
     assert len(meta.slot_mapping) == len(meta.token_ids) == 96
     assert (meta.slot_mapping[:2 * BLOCK] >= 0).all() and (meta.slot_mapping[2 * BLOCK:] == -1).all()
+
+
+def test_a_saving_step_does_not_wait_on_a_remote_that_never_answers(tmp_path):
+    """The done-when line: remote hung, blocking_timeout_secs 5, the worker's wait_for_save (what
+    vLLM's step calls) returns at memory speed; the write-through waits in the background."""
+    import time
+
+    import zmq
+
+    from lmcache_triton import LMCacheEngineMetadata, create_gpu_connector
+    from lmcache_triton.engine import LMCacheEngine
+    from lmcache_triton.testing import make_kv_caches
+
+    ctx = zmq.Context()
+    hung = ctx.socket(zmq.ROUTER)  # completes the handshake, reads, never answers
+    hung.setsockopt(zmq.LINGER, 0)
+    port = hung.bind_to_random_port("tcp://127.0.0.1")
+    config = _config(remote_url=f"lm://127.0.0.1:{port}", blocking_timeout_secs=5)
+    metadata = LMCacheEngineMetadata(model_name="glue/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(2, 2, CHUNK, 2, 16))
+    engine = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
+    try:
+        caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=16, block_size=BLOCK, num_kv_heads=2,
+                                head_size=16)
+        for step in range(3):
+            meta = LMCacheConnectorMetadata(requests=[_req(f"r{step}", 1000 * (step + 1), n=4 * CHUNK)])
+            side = _worker(meta, StubEngine())
+            side.engine, side.kvcaches = engine, caches
+            t0 = time.monotonic()
+            side.wait_for_save()
+            assert time.monotonic() - t0 < 2.0, f"step {step} waited on the remote"
+            assert engine.get_stats().stored_tokens == 4 * CHUNK * (step + 1)
+    finally:
+        engine.storage_manager._writer.shutdown(wait=False, cancel_futures=True)
+        engine.close()
+        hung.close(0)
+        ctx.term()
+
+
+def test_model_variant_and_block_format_are_part_of_the_identity():
+    from lmcache_triton.integration.vllm.common import kv_identity
+
+    def cfg(**model):
+        base = dict(revision=None, quantization=None, hf_overrides=None, dtype="bfloat16",
+                    hf_config=SimpleNamespace(rope_scaling=None, rope_theta=10000.0))
+        return SimpleNamespace(model_config=SimpleNamespace(**(base | model)),
+                               cache_config=SimpleNamespace(cache_dtype="auto"))
+
+    plain = kv_identity(cfg(), "vllm_cpu")
+    assert kv_identity(cfg(), "vllm_cpu-amx") != plain, "AMX blocks never share chunks with vec blocks"
+    assert kv_identity(cfg(quantization="awq"), "vllm_cpu") != plain
+    assert kv_identity(cfg(revision="v2"), "vllm_cpu") != plain
+    assert kv_identity(cfg(hf_config=SimpleNamespace(rope_scaling={"factor": 2.0}, rope_theta=10000.0)),
+                       "vllm_cpu") != plain
+    assert kv_identity(cfg(), "vllm_cpu") == plain

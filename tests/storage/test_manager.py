@@ -163,3 +163,22 @@ def test_pinned_contains_without_local_cpu_leaks_nothing(kv_metadata, make_chunk
     for k, obj in pinned:
         m.release(k, obj)
     assert m.cpu.used_bytes == 0, "with local_cpu off, a pinned lookup must not strand staged chunks in the pool"
+
+
+def test_without_local_cpu_the_load_after_a_pinned_lookup_reads_memory_not_the_disk(kv_metadata, make_chunk,
+                                                                                     managers, tmp_path):
+    m = _manager(kv_metadata, disk=tmp_path, local_cpu=False)
+    managers.append(m)
+    puts = [_put(m, make_chunk, seed) for seed in range(2)]
+    m.flush(timeout=10)
+    pinned: list = []
+    assert m.batched_contains([k for k, _ in puts], pinned=pinned) == 2
+    for f in tmp_path.rglob("*.safetensors"):
+        f.unlink()  # the disk is gone: the load must not need it
+    for key, expected in puts:
+        obj = m.get(key)
+        assert obj is not None and torch.equal(obj.tensor, expected)
+        m.release(key, obj)
+    for key, obj in pinned:
+        m.release(key, obj)
+    assert m.cpu.used_bytes == 0 and m.get(puts[0][0]) is None
