@@ -32,6 +32,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture
+def closing():
+    """Closes every server, client and engine a test registers, in reverse order, even on failure."""
+    things = []
+    yield things
+    for thing in reversed(things):
+        thing.close()
+
+
+@pytest.fixture
 def free_port() -> Callable[[], int]:
     """Call it for a loopback TCP port that nothing listens on (as of now)."""
     return _free_port

@@ -20,15 +20,6 @@ BLOCK, BLOCKS = 16, 16
 TIMEOUT_MS = 500
 
 
-@pytest.fixture
-def closing():
-    """Closes every server, client and engine a test registers, in reverse order, even on failure."""
-    things = []
-    yield things
-    for thing in reversed(things):
-        thing.close()
-
-
 def _engine_id() -> str:
     return f"test-{uuid.uuid4().hex[:12]}"
 

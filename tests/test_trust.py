@@ -56,14 +56,6 @@ class HungPeer:
 
 
 @pytest.fixture
-def closing():
-    things = []
-    yield things
-    for thing in reversed(things):
-        thing.close()
-
-
-@pytest.fixture
 def hung(closing) -> HungPeer:
     peer = HungPeer()
     closing.append(peer)
