@@ -370,7 +370,10 @@ class CacheServerClient:
             reply = self.request(Command.EXISTS, batch)
             if len(reply.frames) != 1:
                 raise RemoteError(f"{self.endpoint}: EXISTS reply has {len(reply.frames)} frames, expected 1")
-            out += wire.unpack_bits(reply.frames[0], len(batch))
+            try:
+                out += wire.unpack_bits(reply.frames[0], len(batch))
+            except wire.WireError as e:
+                raise RemoteError(f"{self.endpoint}: malformed EXISTS reply: {e}") from None
         return out
 
     def delete(self, key: bytes) -> bool:
@@ -382,7 +385,10 @@ class CacheServerClient:
 
     def stats(self) -> dict:
         reply = self.request(Command.STATS)
-        return json.loads(bytes(reply.frames[0]))
+        try:
+            return json.loads(bytes(reply.frames[0]))
+        except (IndexError, ValueError) as e:
+            raise RemoteError(f"{self.endpoint}: malformed STATS reply: {e}") from None
 
     def health(self, timeout_s: float | None = None) -> bool:
         try:

@@ -227,3 +227,44 @@ def test_create_remote_backend_dispatch() -> None:
         create_remote_backend("lm://hostonly", None)
     with pytest.raises(ValueError, match="compression"):
         create_remote_backend("lm://127.0.0.1:1", None, compression="zstd")
+
+
+def test_malformed_replies_raise_remote_error_only() -> None:
+    """A server answering well-framed nonsense (a bitmap of the wrong size, STATS that is not JSON)
+    gives the client's callers a RemoteError, the one exception its contract names."""
+    import threading
+
+    import zmq
+
+    from lmcache_triton.storage import wire
+    from lmcache_triton.storage.remote import CacheServerClient, RemoteError
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            identity, *frames = sock.recv_multipart()
+            req = wire.decode_request(frames, wire.Limits())
+            sock.send_multipart([identity, *wire.encode_reply(wire.Status.OK, req.command, req.request_id,
+                                                              [b"\xff" * 100], 0)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = CacheServerClient("127.0.0.1", port, timeout_s=2)
+    try:
+        with pytest.raises(RemoteError, match="EXISTS"):
+            client.exists([b"a", b"b"])
+        with pytest.raises(RemoteError, match="STATS"):
+            client.stats()
+    finally:
+        client.close()
+        stop.set()
+        thread.join(2)
+        sock.close(0)
+        ctx.term()
