@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install test demo bench clean redis-server
+.PHONY: install test demo bench clean redis-server prometheus
 
 install: $(STAMP)
 
@@ -28,7 +28,12 @@ redis-server:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
 		|| echo "redis-server could not be installed: the Redis tests will be skipped"
 
-test: install redis-server
+# tests/integration/test_prometheus_e2e.py starts a real Prometheus (Debian's package); without one it skips.
+prometheus:
+	@command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+		|| echo "prometheus could not be installed: the Prometheus test will be skipped"
+
+test: install redis-server prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install

@@ -1,6 +1,7 @@
 """CacheBlend prefill vs full prefill on a small random Llama, on this machine.
 
     python -m bench.blend [--doc-tokens 2048] [--docs 3] [--layers 4] [--ratio 0.15] [--repeats 3]
+    python -m bench.blend --trained [...]   # quality vs ratio on a trained model: see bench/blend_quality.py
 
 The prompt is `docs` documents of `doc-tokens` tokens joined by a 2-token separator; each document's
 KV is computed alone first (what a cache holds), then the prompt is prefilled three ways:
@@ -14,6 +15,7 @@ Kernel bandwidths are in bench.kernels, not here.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,9 +45,20 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
     return median(times), out
 
 
-@torch.inference_mode()
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--trained" in argv:  # quality (agreement, perplexity) vs ratio on the stdlib-trained Llama
+        from bench.blend_quality import main as quality_main
+
+        return quality_main([a for a in argv if a != "--trained"])
+    return speed(argv)
+
+
+@torch.inference_mode()
+def speed(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trained", action="store_true",
+                   help="quality vs recompute ratio on a Llama trained here (python -m bench.blend --trained --help)")
     p.add_argument("--doc-tokens", type=int, default=2048)
     p.add_argument("--docs", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)

@@ -43,7 +43,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                head_size=args.head_size, block_size=args.block_size, dtype=args.dtype)
     from lmcache_triton.vllm_demo import run_vllm_demo
 
-    return run_vllm_demo(model=args.model, tokens=args.tokens or 4096, disk=args.disk)
+    return run_vllm_demo(model=args.model, tokens=args.tokens or 4096, disk=args.disk, plot=args.plot)
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -64,6 +64,49 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def cmd_config_check(args: argparse.Namespace) -> int:
+    """Load a config as the connector would (no vLLM): print it (secrets redacted) and every
+    warning; exit 0 when it loads, 2 with the ConfigError when it does not."""
+    import logging
+    import os
+
+    from lmcache_triton import config as cfg
+
+    class _Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    source = args.file or os.environ.get(cfg.CONFIG_FILE_ENV) or None
+    lg = logging.getLogger("lmcache_triton")
+    collect, propagate = _Collect(), lg.propagate
+    cfg.reset_warnings()  # every warning of this load, even ones this process already gave
+    lg.addHandler(collect)
+    lg.propagate = False
+    try:
+        extra = json.loads(args.extra_config) if args.extra_config else {}
+        if not isinstance(extra, dict):
+            raise cfg.ConfigError("--extra-config must be a JSON object (vLLM's kv_connector_extra_config)")
+        config = cfg.LMCacheEngineConfig.load(cfg.connector_overrides(extra), config_file=args.file)
+    except (cfg.ConfigError, json.JSONDecodeError) as e:
+        for m in collect.messages:
+            print(f"warning: {m}", file=sys.stderr)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        lg.removeHandler(collect)
+        lg.propagate = propagate
+    print(f"# config file: {source}" if source else f"# config file: none ({cfg.CONFIG_FILE_ENV} unset)")
+    print(json.dumps(config.to_dict(redact=True), indent=2))
+    for m in collect.messages:
+        print(f"warning: {m}")
+    print(f"# loads: {len(collect.messages)} warning(s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-triton", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", help="a local model folder (default: a random-weight Llama built locally)")
     d.add_argument("--tokens", type=int, help="prompt length (default 4096; 8192 with --engine-only)")
     d.add_argument("--disk", help="also keep chunks in this folder (the local disk tier)")
+    d.add_argument("--plot", metavar="PNG", help="also draw the cold vs warm TTFT bar chart to this file (matplotlib)")
     d.add_argument("--engine-only", action="store_true",
                    help="no vLLM: store a prompt's KV from a paged cache and load it into a fresh one")
     d.add_argument("--layers", type=int, default=32, help="--engine-only: layers")
@@ -80,10 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--block-size", type=int, default=16, help="--engine-only: block size")
     d.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     d.set_defaults(func=cmd_demo)
+    c = sub.add_parser("config", help="configuration tools: config check [FILE]")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    cc = csub.add_parser("check", help="load a config (LMCache's names too) and print it with every warning; "
+                                       "exit 2 when it does not load. Starts no vLLM")
+    cc.add_argument("file", nargs="?", help="a YAML config (default: $LMCACHE_CONFIG_FILE, if set); "
+                                            "LMCACHE_* variables apply on top, as in the connector")
+    cc.add_argument("--extra-config", metavar="JSON",
+                    help="vLLM's kv_connector_extra_config, as JSON, applied last as the connector does")
+    cc.set_defaults(func=cmd_config_check)
     from lmcache_triton.storage.cache_server import add_server_parser, add_stats_parser
 
     add_server_parser(sub)
     add_stats_parser(sub)
+    from lmcache_triton.serve import add_serve_parser
+
+    add_serve_parser(sub)  # serve MODEL [vLLM args...]: vLLM's OpenAI server with the connector
     # Listed for --help only: main() hands everything after `bench` to bench/cli.py untouched.
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: bench {kernels,engine,storage,e2e,compare,ttft} [args...] (needs a checkout)")

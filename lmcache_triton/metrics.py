@@ -25,7 +25,7 @@ logger = logging.getLogger("lmcache_triton")
 
 _LABELS = ("model", "rank")
 _SECONDS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-_GBPS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+_BYTES_PER_SECOND = (1e8, 2.5e8, 5e8, 1e9, 2e9, 5e9, 1e10, 2e10, 5e10, 1e11, 2e11, 5e11)
 
 _lock = threading.RLock()  # register() calls collect() while histograms() holds it
 _engines: weakref.WeakSet[LMCacheEngine] = weakref.WeakSet()
@@ -41,9 +41,9 @@ def histograms() -> dict[str, Histogram]:
                 _histograms[f"{op}_seconds"] = Histogram(
                     f"lmcache_triton_{op}_seconds", f"Time of one {op} call", _LABELS, buckets=_SECONDS)
             for op in ("retrieve", "store"):
-                _histograms[f"{op}_gbps"] = Histogram(
-                    f"lmcache_triton_{op}_gbps", f"KV bytes moved per second by one {op} call, GB/s", _LABELS,
-                    buckets=_GBPS)
+                _histograms[f"{op}_bytes_per_second"] = Histogram(
+                    f"lmcache_triton_{op}_bytes_per_second", f"KV bytes moved per second by one {op} call",
+                    _LABELS, buckets=_BYTES_PER_SECOND)
             REGISTRY.register(_EngineCollector())
         return _histograms
 
@@ -68,19 +68,29 @@ def serve(port: int) -> None:
     logger.info("lmcache_triton metrics on http://0.0.0.0:%d/metrics", port)
 
 
-_COUNTERS = {  # stats field -> (metric name, help)
-    "lookup_requests": ("lookup_requests", "Lookups answered"),
-    "lookup_tokens": ("lookup_tokens", "Tokens asked about by lookups"),
-    "lookup_hit_tokens": ("lookup_hit_tokens", "Tokens lookups found cached"),
-    "retrieve_requests": ("retrieve_requests", "Retrieve calls"),
-    "requested_tokens": ("requested_tokens", "Tokens asked of retrieve"),
-    "hit_tokens": ("hit_tokens", "Tokens loaded by retrieve"),
+# Names follow Prometheus' conventions: a counter's name ends in _total (CounterMetricFamily adds
+# it), units are in the name (_seconds, _bytes, _tokens, _chunks), a ratio ends in _ratio. README
+# "Metrics" lists every one; tests/test_metrics.py checks the list against a scrape.
+_COUNTERS = {  # stats field -> (metric name without _total, help)
+    "lookup_requests": ("lookup_requests", "Lookups answered: one per request vLLM schedules (again if preempted)"),
+    "lookup_misses": ("lookup_misses", "Lookups that found none of their tokens: requests that missed entirely"),
+    "lookup_tokens": ("lookup_tokens", "Prompt tokens asked about by lookups"),
+    "lookup_hit_tokens": ("lookup_hit_tokens", "Prompt tokens lookups found cached"),
+    "retrieve_requests": ("retrieve_requests", "Retrieve (load) calls"),
+    "requested_tokens": ("requested_tokens", "Tokens asked of retrieve (what lookups found and vLLM accepted)"),
+    "hit_tokens": ("hit_tokens", "Tokens loaded by retrieve into vLLM's paged cache"),
+    "retrieved_bytes": ("retrieved_bytes", "KV bytes loaded by retrieve"),
     "store_requests": ("store_requests", "Store calls"),
-    "stored_tokens": ("stored_tokens", "Tokens stored"),
-    "store_refusals": ("store_refusals", "Chunks not stored because the CPU tier was full of pinned chunks"),
+    "stored_tokens": ("stored_tokens", "Tokens stored (chunks already cached are not counted again)"),
+    "stored_bytes": ("stored_bytes", "KV bytes stored"),
+    "store_refusals": ("store_refused_chunks", "Chunks not stored because the CPU tier was full of pinned chunks"),
     "verify_checked": ("verify_checked", "Hit chunks compared with the KV the model recomputed (verify_hit_rate)"),
     "verify_mismatches": ("verify_mismatch", "Stored chunks that differed from the recomputed KV (removed)"),
 }
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
 
 
 class _EngineCollector:
@@ -89,16 +99,21 @@ class _EngineCollector:
     def collect(self):
         counters = {f: CounterMetricFamily(f"lmcache_triton_{name}", doc, labels=_LABELS)
                     for f, (name, doc) in _COUNTERS.items()}
-        evictions = CounterMetricFamily("lmcache_triton_evictions", "Chunks evicted", labels=(*_LABELS, "tier"))
-        remote_errors = CounterMetricFamily("lmcache_triton_remote_errors", "Failed remote calls (each a miss)",
-                                            labels=(*_LABELS, "tier"))
+        tier = (*_LABELS, "tier")
+        evictions = CounterMetricFamily("lmcache_triton_evictions", "Chunks evicted, per tier", labels=tier)
+        remote_errors = CounterMetricFamily("lmcache_triton_remote_errors",
+                                            "Failed calls to a tier other than the CPU's (each a miss)", labels=tier)
         checksum = CounterMetricFamily("lmcache_triton_checksum_failures",
-                                       "Chunks that failed their checks on read (each a miss)",
-                                       labels=(*_LABELS, "tier"))
-        hit_rate = GaugeMetricFamily("lmcache_triton_hit_rate", "hit_tokens / requested_tokens", labels=_LABELS)
-        usage = GaugeMetricFamily("lmcache_triton_usage_bytes", "Bytes held per tier", labels=(*_LABELS, "tier"))
-        capacity = GaugeMetricFamily("lmcache_triton_capacity_bytes", "Capacity per tier",
-                                     labels=(*_LABELS, "tier"))
+                                       "Chunks that failed their checks on read (each a miss)", labels=tier)
+        lookup_ratio = GaugeMetricFamily("lmcache_triton_lookup_hit_ratio",
+                                         "lookup_hit_tokens / lookup_tokens since start: the share of prompt "
+                                         "tokens found cached", labels=_LABELS)
+        retrieve_ratio = GaugeMetricFamily("lmcache_triton_retrieve_hit_ratio",
+                                           "hit_tokens / requested_tokens since start: the share of the tokens "
+                                           "asked of retrieve that loaded (misses never reach retrieve)",
+                                           labels=_LABELS)
+        usage = GaugeMetricFamily("lmcache_triton_usage_bytes", "Bytes held per tier", labels=tier)
+        capacity = GaugeMetricFamily("lmcache_triton_capacity_bytes", "Capacity per tier", labels=tier)
         pinned = GaugeMetricFamily("lmcache_triton_pinned_chunks", "Chunks pinned in the CPU tier", labels=_LABELS)
         misses = CounterMetricFamily("lmcache_triton_miss_tokens", "Tokens lookups did not find, by why",
                                      labels=(*_LABELS, "reason"))
@@ -116,19 +131,21 @@ class _EngineCollector:
             expired.add_metric(labels, engine.pins.expired_leases)
             for f, family in counters.items():
                 family.add_metric(labels, getattr(stats, f))
-            hit_rate.add_metric(labels, stats.hit_rate)
-            for tier, u in engine.storage_manager.usage().items():
-                tl = [*labels, tier]
+            lookup_ratio.add_metric(labels, _ratio(stats.lookup_hit_tokens, stats.lookup_tokens))
+            retrieve_ratio.add_metric(labels, _ratio(stats.hit_tokens, stats.requested_tokens))
+            for tier_name, u in engine.storage_manager.usage().items():
+                tl = [*labels, tier_name]
                 evictions.add_metric(tl, u.get("evictions", 0))
                 usage.add_metric(tl, u.get("used_bytes", 0))
                 capacity.add_metric(tl, u.get("capacity_bytes", 0))
-                if tier != "cpu":
+                if tier_name != "cpu":
                     checksum.add_metric(tl, u.get("corrupt", 0))
                     remote_errors.add_metric(tl, u.get("errors", 0) + u.get("io_errors", 0))
                 else:
                     pinned.add_metric(labels, u.get("pinned_chunks", 0))
         yield from counters.values()
-        yield from (evictions, remote_errors, checksum, hit_rate, usage, capacity, pinned, misses, expired)
+        yield from (misses, evictions, remote_errors, checksum, expired, lookup_ratio, retrieve_ratio, usage,
+                    capacity, pinned)
 
 
 def scrape_engine_stats(url: str, timeout: float = 5.0) -> dict[str, dict]:

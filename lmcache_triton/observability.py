@@ -24,16 +24,21 @@ class LMCacheStats:
     store_refusals: int
     verify_checked: int = 0
     verify_mismatches: int = 0
+    lookup_misses: int = 0  # lookups that found none of their tokens (a request that missed entirely)
     # Tokens lookups did not find, by why (lmcache_triton.storage.manager.MISS_REASONS).
     miss_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
-    def hit_rate(self) -> float:
-        """Share of the tokens asked of `retrieve` that were loaded from the cache."""
+    def retrieve_hit_rate(self) -> float:
+        """Share of the tokens asked of `retrieve` that were loaded. Retrieve is only asked for what
+        a lookup found, so this is near 1 even when most requests miss: see `lookup_hit_rate`."""
         return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
+
+    hit_rate = retrieve_hit_rate  # the older name
 
     @property
     def lookup_hit_rate(self) -> float:
+        """Share of the tokens asked about by lookups (every prompt) that were found cached."""
         return self.lookup_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
     @property
@@ -46,8 +51,8 @@ class LMCacheStats:
 
     def to_dict(self) -> dict[str, float]:
         d: dict[str, float] = asdict(self)
-        d.update(hit_rate=self.hit_rate, lookup_hit_rate=self.lookup_hit_rate,
-                 store_gbps=self.store_gbps, retrieve_gbps=self.retrieve_gbps)
+        d.update(hit_rate=self.hit_rate, retrieve_hit_rate=self.retrieve_hit_rate,
+                 lookup_hit_rate=self.lookup_hit_rate, store_gbps=self.store_gbps, retrieve_gbps=self.retrieve_gbps)
         return d
 
 
@@ -83,11 +88,12 @@ class LMCStatsMonitor:
             return
         self._hist[f"{op}_seconds"].observe(seconds)
         if nbytes and seconds > 0:
-            self._hist[f"{op}_gbps"].observe(nbytes / seconds / 1e9)
+            self._hist[f"{op}_bytes_per_second"].observe(nbytes / seconds)
 
     def on_lookup(self, num_tokens: int, hit_tokens: int, seconds: float = 0.0,
                   misses: Mapping[str, int] | None = None) -> None:
-        self._add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit_tokens)
+        self._add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit_tokens,
+                  lookup_misses=0 if hit_tokens else 1)
         if misses:
             with self._lock:
                 for reason, n in misses.items():

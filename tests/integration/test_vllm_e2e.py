@@ -6,6 +6,7 @@ with the prefix cache off, every cached token was loaded through the connector.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,10 +154,23 @@ def test_cacheblend_ratio_one_equals_full_prefill(run_vllm, tiny_model, tmp_path
 
 
 def test_demo_command(tiny_model, tmp_path):
-    """`make demo`'s main job, on the tiny model: warm loads, outputs match, exit status 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_") and k != "TRITON_INTERPRET"}
+    """`make demo`'s main job, on the tiny model: warm loads, outputs match, exit status 0; vLLM's log
+    limited to warnings and the summary the last thing printed (after vLLM's shutdown); --plot's PNG."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("LMCACHE_") and k not in ("TRITON_INTERPRET", "VLLM_LOGGING_LEVEL")}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    r = subprocess.run([sys.executable, "-m", "lmcache_triton.cli", "demo", "--model", tiny_model, "--tokens", "1024"],
-                       capture_output=True, text=True, timeout=400, env=env)
+    try:
+        import matplotlib  # noqa: F401
+        png = tmp_path / "ttft.png"
+    except ImportError:
+        png = None
+    r = subprocess.run([sys.executable, "-m", "lmcache_triton.cli", "demo", "--model", tiny_model, "--tokens", "1024",
+                        *(["--plot", str(png)] if png else [])], capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "outputs match an uncached run: True" in r.stdout and "(1023 tokens loaded" in r.stdout
+    lines = r.stdout.rstrip().splitlines()
+    assert lines[-5].startswith("== lmcache-triton demo: 1024-token prompt"), r.stdout[-2000:]
+    assert lines[-4].startswith("cold TTFT:") and lines[-3].startswith("warm TTFT:") and lines[-2].startswith("speedup:")
+    assert "(1023 tokens loaded" in lines[-3] and lines[-1] == "outputs match an uncached run: True"
+    assert not re.search(r"^(\(\w+ pid=\d+\) )?INFO ", r.stdout + r.stderr, re.M), "vLLM logs warnings only"
+    if png:
+        assert f"wrote {png}" in r.stdout and png.stat().st_size > 0

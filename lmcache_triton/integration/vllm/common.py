@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.config import LMCacheEngineConfig, connector_overrides
 
 logger = logging.getLogger("lmcache_triton")
-_PREFIX = "lmcache."
 
 
 def resolve_config(vllm_config: Any) -> LMCacheEngineConfig:
     """LMCache's resolution (LMCACHE_CONFIG_FILE, then LMCACHE_* variables) with the
-    `lmcache.`-prefixed keys of kv_connector_extra_config on top."""
+    `lmcache.`-prefixed keys of kv_connector_extra_config on top; the keys LMCache's connector reads
+    there without the prefix (discard_partial_chunks, skip_last_n_tokens, lmcache_rpc_port) are
+    mapped or warned about, as config.connector_overrides says."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    overrides = {k: v for k, v in extra.items() if k.startswith(_PREFIX)}
-    config = LMCacheEngineConfig.load(overrides)
+    config = LMCacheEngineConfig.load(connector_overrides(extra))
     if cpu_blocks_opaque() and config.save_unfull_chunk:
         logger.warning("lmcache_triton: save_unfull_chunk is not supported by vLLM's CPU backend on AMX "
                        "CPUs (whole blocks only); disabling it")
