@@ -12,6 +12,10 @@ from pathlib import Path
 
 import torch
 
+# One matplotlib import for the benches and the demo (the package cannot import bench/).
+from lmcache_triton.vllm_demo import PlotUnavailable as MatplotlibMissing  # noqa: F401
+from lmcache_triton.vllm_demo import pyplot
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -91,20 +95,6 @@ def percentile(xs: list[float], q: float) -> float:
     return s[int(k)]
 
 
-class MatplotlibMissing(RuntimeError):
-    pass
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend, imported only when a plot is asked for."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise MatplotlibMissing("--plot needs matplotlib, from the `bench` extra: pip install -e '.[bench]' "
-                                "(or pip install matplotlib)") from e
-    return plt
 
 
 def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> Path:

@@ -87,8 +87,8 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend, imported only for --plot."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, imported only for --plot (the demo's and the benches')."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -112,7 +112,7 @@ def _machine() -> str:
 
 def plot_ttft(path: str | Path, r: TTFTResult, model: str) -> Path:
     """The cold vs warm TTFT bar chart as a PNG."""
-    plt = _pyplot()
+    plt = pyplot()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -148,7 +148,7 @@ def run_vllm_demo(*, model: str | None = None, tokens: int = 4096, disk: str | N
                   plot: str | None = None) -> int:
     if plot:
         try:
-            _pyplot()  # fail before vLLM starts, not after
+            pyplot()  # fail before vLLM starts, not after
         except PlotUnavailable as e:
             print(e, file=sys.stderr)
             return 2

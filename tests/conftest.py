@@ -32,6 +32,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture
+def clean_lmcache_env(monkeypatch):
+    """No LMCACHE_* variable of the calling shell leaks into a config test; warnings warn anew."""
+    from lmcache_triton import config as config_mod
+
+    for var in list(os.environ):
+        if var.startswith("LMCACHE_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setattr(config_mod, "_warned_env", set())
+
+
+@pytest.fixture
 def closing():
     """Closes every server, client and engine a test registers, in reverse order, even on failure."""
     things = []

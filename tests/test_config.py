@@ -12,15 +12,7 @@ from lmcache_triton import config as config_mod
 from lmcache_triton.config import ConfigError, LMCacheEngineConfig
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No LMCACHE_* variable of the calling shell leaks into a test."""
-    import os
-
-    for var in list(os.environ):
-        if var.startswith("LMCACHE_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setattr(config_mod, "_warned_env", set())
+pytestmark = pytest.mark.usefixtures("clean_lmcache_env")
 
 
 def write(tmp_path, text, name="cfg.yaml"):

@@ -51,12 +51,7 @@ nixl_role controller_url lmcache_worker_port plugin_locations external_backends 
 """.split()
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for var in list(os.environ):
-        if var.startswith("LMCACHE_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setattr(config_mod, "_warned_env", set())
+pytestmark = pytest.mark.usefixtures("clean_lmcache_env")
 
 
 def warnings_of(caplog) -> list[str]:
