@@ -167,3 +167,25 @@ def test_garbage_does_not_kill_the_server(closing, cls):
         raw.send_multipart(frames)
     client = _client(closing, eid)
     assert client.lookup(PROMPT.tolist(), "after-garbage") == 3 * CHUNK, "the server still answers"
+
+
+def test_lookups_the_scheduler_gave_up_on_are_not_run(closing):
+    """A lookup stuck on a slow remote must not leave a queue of expired lookups behind it that
+    each pin chunks and wait again: the server answers those 0 at once."""
+
+    class SlowEngine:
+        calls: list[str] = []
+
+        def lookup(self, tokens, pin=False, *, lookup_id=None, **kw):
+            self.calls.append(lookup_id)
+            time.sleep(1.2)  # past the first client's 500 ms and the second's, sent 500 ms later
+            return 0
+
+    engine = SlowEngine()
+    eid = _engine_id()
+    server = _server(closing, LMCacheLookupServer, engine, eid)
+    first, second = _client(closing, eid), _client(closing, eid)
+    assert first.lookup(PROMPT.tolist(), "slow") == 0      # times out at 500 ms; the server is busy
+    assert second.lookup(PROMPT.tolist(), "queued") == 0   # queued behind it past its own deadline
+    time.sleep(1.0)
+    assert engine.calls == ["slow"] and server.skipped_expired == 1

@@ -61,7 +61,8 @@ class LookupClient:
         pending = self._pending.get(lookup_id)
         if pending is None:
             pending = _Pending(next(self._seq), time.monotonic() + self.timeout_s)
-            frames = protocol.encode_request(pending.seq, lookup_id, tokens, namespace, adapter, mm_spans)
+            frames = protocol.encode_request(pending.seq, lookup_id, tokens, namespace, adapter, mm_spans,
+                                             deadline=time.time() + self.timeout_s)
             for sock in self._socks:
                 sock.send_multipart(frames, copy=False)
             self._pending[lookup_id] = pending

@@ -25,9 +25,10 @@ def socket_path(engine_id: str, rank: int) -> str:
 
 
 def encode_request(seq: int, lookup_id: str, tokens: list[int], namespace: str, adapter: str = "",
-                   mm_spans: list | None = None) -> list[bytes]:
+                   mm_spans: list | None = None, deadline: float | None = None) -> list[bytes]:
+    """`deadline` (wall-clock seconds, same host) is when the client stops waiting for the answer."""
     header = {"v": VERSION, "seq": seq, "id": lookup_id, "ns": namespace, "adapter": adapter,
-              "mm": [list(s) for s in mm_spans] if mm_spans else None}
+              "mm": [list(s) for s in mm_spans] if mm_spans else None, "deadline": deadline}
     return [json.dumps(header).encode(), np.asarray(tokens, dtype="<i8").tobytes()]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -21,6 +22,7 @@ class LMCacheLookupServer:
 
     def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int) -> None:
         self.engine = engine
+        self.skipped_expired = 0
         self.address = protocol.socket_path(engine_id, rank)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -33,6 +35,12 @@ class LMCacheLookupServer:
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
         header, tokens, mm_spans = protocol.decode_request(frames)
+        deadline = header.get("deadline")
+        if deadline is not None and time.time() > float(deadline):
+            # The scheduler has given up on it (a miss there): running it would only pin chunks
+            # nobody loads and keep later lookups queued behind a slow remote.
+            self.skipped_expired += 1
+            return protocol.encode_reply(header["seq"], 0)
         try:
             hit = self.engine.lookup(tokens, pin=True, lookup_id=header["id"], namespace=header.get("ns") or "",
                                      adapter=header.get("adapter") or "", mm_spans=mm_spans)

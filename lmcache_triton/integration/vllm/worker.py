@@ -24,7 +24,7 @@ from lmcache_triton.integration.vllm.common import (
 )
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
-from lmcache_triton.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
+from lmcache_triton.lookup.server import LMCacheAsyncLookupServer
 from lmcache_triton.metadata import LMCacheEngineMetadata
 
 logger = logging.getLogger("lmcache_triton")
@@ -102,8 +102,9 @@ class WorkerSide:
                                                          token_database=token_database)
         if self.config.enable_blending:
             self._start_blending(connector, layout)
-        server_cls = LMCacheAsyncLookupServer if self.config.enable_async_loading else LMCacheLookupServer
-        self.lookup_server = server_cls(self.engine, engine_id(self.vllm_config), rank)
+        # Lookups run in a small pool whatever the client's mode: one lookup waiting on a dead or
+        # slow remote must not hold up the next, whose chunks may all be in the CPU tier.
+        self.lookup_server = LMCacheAsyncLookupServer(self.engine, engine_id(self.vllm_config), rank)
         logger.info("lmcache_triton worker ready: %d layers, layout %s, block_size %d", len(self.kvcaches), layout,
                     geo.block_size)
 
