@@ -268,3 +268,22 @@ def test_malformed_replies_raise_remote_error_only() -> None:
         thread.join(2)
         sock.close(0)
         ctx.term()
+
+
+def test_refused_port_is_told_at_once_not_after_the_connect_wait(cache_server, free_port) -> None:
+    """A killed server's port refuses connections: the client says so instead of waiting out ZMQ's
+    silent retries (which made every lookup that reached a dead server cost the connect timeout)."""
+    from lmcache_triton.storage.remote import RemoteUnavailable
+    from lmcache_triton.storage.wire import Command
+
+    dead = CacheServerClient("127.0.0.1", free_port(), timeout_s=5.0, connect_timeout_s=5.0)
+    with pytest.raises(RemoteUnavailable, match="connection refused"):
+        dead.request(Command.HEALTH)
+    live = CacheServerClient("127.0.0.1", cache_server.port, timeout_s=5.0, connect_timeout_s=5.0)
+    assert live.health()
+    cache_server.kill()
+    with pytest.raises(RemoteUnavailable, match="refused|no reply|broke"):
+        live.request(Command.HEALTH)  # the open connection notices first, or the reconnect is refused
+    with pytest.raises(RemoteUnavailable, match="connection refused"):
+        live.request(Command.HEALTH)
+    dead.close(), live.close()
