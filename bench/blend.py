@@ -25,7 +25,7 @@ import torch
 from bench.common import context, median, write_json
 from lmcache_triton.blend import LMCBlender, TensorKVSource, segment_positions
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.models import TinyLlamaSpec, build_random_llama, random_prompt
+from lmcache_triton.tools.models import TinyLlamaSpec, build_random_llama, random_prompt
 
 SEP = [4, 5]
 

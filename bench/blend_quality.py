@@ -3,7 +3,7 @@
     python -m bench.blend --trained [--ratios 0,0.05,0.15,0.3,0.5,1] [--trials 32] [--docs 3]
                                     [--doc-tokens 128] [--plot [PNG]] [--model DIR]
 
-The model is `lmcache_triton.models.train_llama`'s (4 layers, hidden 256, trained a few minutes on
+The model is `lmcache_triton.tools.models.train_llama`'s (4 layers, hidden 256, trained a few minutes on
 the standard library's sources; trained on first use, then cached). Each trial draws `docs`
 passages of `doc-tokens` tokens from standard-library files the model never saw (held out), caches
 each passage's KV alone (from position 0, as a cache holds it), and builds a prompt with them in
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from bench.common import context, write_json
 from lmcache_triton.blend import LMCBlender, TensorKVSource, as_layerwise, segment_positions, separator_ids
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.models import TrainRecipe, stdlib_corpus, train_llama, trained_model_info
+from lmcache_triton.tools.models import TrainRecipe, stdlib_corpus, train_llama, trained_model_info
 
 DEFAULT_RATIOS = "0,0.05,0.15,0.3,0.5,1.0"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 # One matplotlib import for the benches and the demo (the package cannot import bench/).
-from lmcache_triton.vllm_demo import PlotUnavailable as MatplotlibMissing  # noqa: F401
-from lmcache_triton.vllm_demo import pyplot
+from lmcache_triton.tools.vllm_demo import PlotUnavailable as MatplotlibMissing  # noqa: F401
+from lmcache_triton.tools.vllm_demo import pyplot
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

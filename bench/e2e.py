@@ -79,7 +79,7 @@ class ChildSpec:
 # ---------------------------------------------------------------- child: one vLLM, both workloads
 
 def _ids(n: int, *key: int, w: Workload) -> list[int]:
-    from lmcache_triton.models import random_prompt
+    from lmcache_triton.tools.models import random_prompt
 
     return random_prompt(n, seed=hash((w.seed, *key)) & 0x7FFFFFFF, vocab_size=w.vocab_size)
 
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     from bench.common import context, write_json
-    from lmcache_triton.models import build_random_llama
-    from lmcache_triton.vllm_demo import CACHE_DIR, DEMO_SPEC
+    from lmcache_triton.tools.models import build_random_llama
+    from lmcache_triton.tools.vllm_demo import CACHE_DIR, DEMO_SPEC
 
     w = Workload(users=args.users, rounds=args.rounds, system_tokens=args.system_tokens,
                  question_tokens=args.question_tokens, answer_tokens=args.answer_tokens, docs=args.docs,

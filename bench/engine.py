@@ -17,7 +17,7 @@ import torch
 
 from bench.common import context, median, write_json
 from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
 def _timed(fn) -> float:

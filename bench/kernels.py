@@ -27,7 +27,7 @@ from bench.common import RESULTS, context, make_timer, write_json
 from lmcache_triton.kernels import (paged_gather, paged_gather_layer, paged_gather_layer_ref, paged_gather_ref,
                                     paged_scatter, paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref)
 from lmcache_triton.kernels import paged_copy, tuning
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
 @dataclass(frozen=True)

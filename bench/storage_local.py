@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from bench.common import context, median, median_seconds, write_json
-from lmcache_triton.memory import MemoryFormat, MemoryObj, TensorMemoryPool
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj, TensorMemoryPool
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_disk import LocalDiskBackend
 from lmcache_triton.storage.serde import deserialize, serialize
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 FMT = MemoryFormat.KV_2LTD
 

@@ -23,10 +23,10 @@ import torch
 import zmq
 
 from bench.common import context, median_seconds, write_json
-from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
+from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage import serde
 from lmcache_triton.storage.remote import CacheServerClient, create_remote_backend
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 SHAPE = (2, 32, 256, 1024)  # Llama-3-8B: 32 layers, 8 KV heads x 128, 256 tokens
 DTYPE = torch.bfloat16
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # the cache server
         port = _free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "lmcache_triton.storage.cache_server", "--port",
+        procs.append(subprocess.Popen([sys.executable, "-m", "lmcache_triton.server.cache_server", "--port",
                                        str(port), "--max-size-gb", "1", "--log-level", "WARNING"]))
         client = CacheServerClient("127.0.0.1", port, timeout_s=30.0)
         _wait_for(lambda: client.health(0.2), "cache server")

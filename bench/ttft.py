@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from bench.common import context, write_json
-from lmcache_triton.models import TinyLlamaSpec, build_random_llama, random_prompt
-from lmcache_triton.vllm_demo import CACHE_DIR, measure_ttft, start_llm
+from lmcache_triton.tools.models import TinyLlamaSpec, build_random_llama, random_prompt
+from lmcache_triton.tools.vllm_demo import CACHE_DIR, measure_ttft, start_llm
 
 BENCH_SPEC = TinyLlamaSpec(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
                            head_dim=64, intermediate_size=2816, vocab_size=32000)

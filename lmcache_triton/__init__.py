@@ -15,26 +15,26 @@ _LAZY = {
     "LMCacheEngineConfig": "lmcache_triton.config",
     "ConfigError": "lmcache_triton.config",
     "LMCacheEngineMetadata": "lmcache_triton.metadata",
-    "LMCacheEngine": "lmcache_triton.engine",
-    "LMCacheEngineBuilder": "lmcache_triton.engine",
-    "create_gpu_connector": "lmcache_triton.gpu_connector",
-    "ChunkedTokenDatabase": "lmcache_triton.token_database",
-    "CacheEngineKey": "lmcache_triton.token_database",
-    "MemoryFormat": "lmcache_triton.memory",
-    "MemoryObj": "lmcache_triton.memory",
-    "LMCStatsMonitor": "lmcache_triton.observability",
+    "LMCacheEngine": "lmcache_triton.engine.engine",
+    "LMCacheEngineBuilder": "lmcache_triton.engine.engine",
+    "create_gpu_connector": "lmcache_triton.engine.gpu_connector",
+    "ChunkedTokenDatabase": "lmcache_triton.engine.token_database",
+    "CacheEngineKey": "lmcache_triton.engine.token_database",
+    "MemoryFormat": "lmcache_triton.storage.memory",
+    "MemoryObj": "lmcache_triton.storage.memory",
+    "LMCStatsMonitor": "lmcache_triton.observability.stats",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from lmcache_triton.config import ConfigError, LMCacheEngineConfig
-    from lmcache_triton.engine import LMCacheEngine, LMCacheEngineBuilder
-    from lmcache_triton.gpu_connector import create_gpu_connector
-    from lmcache_triton.memory import MemoryFormat, MemoryObj
+    from lmcache_triton.engine.engine import LMCacheEngine, LMCacheEngineBuilder
+    from lmcache_triton.engine.gpu_connector import create_gpu_connector
+    from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
     from lmcache_triton.metadata import LMCacheEngineMetadata
-    from lmcache_triton.observability import LMCStatsMonitor
-    from lmcache_triton.token_database import CacheEngineKey, ChunkedTokenDatabase
+    from lmcache_triton.observability.stats import LMCStatsMonitor
+    from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
 
 
 def __getattr__(name: str) -> Any:

@@ -134,7 +134,7 @@ def start_cache_server(free_port) -> Iterator[Callable[..., ServerProcess]]:
 
     def start(*extra: str, port: int | None = None, env: dict[str, str] | None = None) -> ServerProcess:
         port = port or free_port()
-        argv = [sys.executable, "-m", "lmcache_triton.storage.cache_server", "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "lmcache_triton.server.cache_server", "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "WARNING", *extra]
         # the developer's own token must not leak into tests that expect an open server
         full_env = {k: v for k, v in os.environ.items() if k != "LMCACHE_REMOTE_AUTH_TOKEN"}
@@ -215,8 +215,8 @@ def make_chunk():
     and its key; the same seed gives the same chunk in every process (tests of two "hosts")."""
     import torch
 
-    from lmcache_triton.memory import MemoryFormat
-    from lmcache_triton.token_database import CacheEngineKey
+    from lmcache_triton.storage.memory import MemoryFormat
+    from lmcache_triton.engine.token_database import CacheEngineKey
 
     def make(pool, seed: int, tokens: int = 16):
         obj = pool.allocate((2, 4, tokens, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
@@ -240,16 +240,16 @@ def kv_metadata():
 @pytest.fixture
 def pool():
     """A 64 MiB unpinned TensorMemoryPool: the CPU tier that remote hits land in."""
-    from lmcache_triton.memory import TensorMemoryPool
+    from lmcache_triton.storage.memory import TensorMemoryPool
 
     return TensorMemoryPool(64 << 20, pin_memory=False)
 
 
 _OTHER_HOST = """
 import sys, torch
-from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
+from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage.remote import create_remote_backend
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 def chunk(pool, seed):
     obj = pool.allocate((2, 4, 16, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
     obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(seed)))

@@ -21,7 +21,7 @@ def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # what a CPU host runs: the torch path
     # From outside the checkout: `lmcache-triton bench` must find bench/ on its own.
-    return subprocess.run([sys.executable, "-m", "lmcache_triton.cli", "bench", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lmcache_triton.tools.cli", "bench", *args], capture_output=True,
                           text=True, timeout=180, cwd=cwd, env=env)
 
 

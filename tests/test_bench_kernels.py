@@ -6,7 +6,7 @@ import torch
 
 from bench.kernels import Row, _staged, check_targets
 from lmcache_triton.kernels import paged_gather_ref
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
 def _row(**kw) -> Row:

@@ -9,7 +9,7 @@ import pytest
 def _cli(*args, env=None):
     env = dict(os.environ if env is None else env)
     env.pop("TRITON_INTERPRET", None)  # the child runs what a CPU host runs: the torch path
-    return subprocess.run([sys.executable, "-m", "lmcache_triton.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lmcache_triton.tools.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 
@@ -35,7 +35,7 @@ def test_bad_config_is_a_clear_error():
 
 def test_demo_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path):
     """--plot checks for matplotlib before vLLM starts (vLLM is never reached here)."""
-    from lmcache_triton import vllm_demo
+    from lmcache_triton.tools import vllm_demo
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     monkeypatch.setattr(vllm_demo, "build_random_llama", lambda *a, **k: pytest.fail("got past the check"))
@@ -45,7 +45,7 @@ def test_demo_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_
 
 def test_demo_plot_draws_cold_vs_warm(tmp_path):
     pytest.importorskip("matplotlib")
-    from lmcache_triton.vllm_demo import TTFTResult, plot_ttft
+    from lmcache_triton.tools.vllm_demo import TTFTResult, plot_ttft
 
     r = TTFTResult(tokens=4096, cold_s=0.786, warm_s=0.028, loaded_tokens=4095, outputs_match=True)
     png = plot_ttft(tmp_path / "d" / "ttft.png", r, "/models/demo-llama")

@@ -11,7 +11,7 @@ from lmcache_triton import (
 )
 # The oracle is the torch reference; the engine moves bytes with the Triton kernels (interpreter on CPU).
 from lmcache_triton.kernels import paged_gather_ref as paged_gather
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 CHUNK = 16
 LAYERS, HEADS, HEAD = 3, 2, 32

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
-from lmcache_triton.gpu_connector import (VLLMBufferLayerwiseGPUConnector, VLLMPagedMemGPUConnectorV2,
+from lmcache_triton.engine.gpu_connector import (VLLMBufferLayerwiseGPUConnector, VLLMPagedMemGPUConnectorV2,
                                           VLLMPagedMemLayerwiseGPUConnector)
 from lmcache_triton.kernels import paged_gather_layer_ref, paged_gather_ref
-from lmcache_triton.testing import PACKED_ORDERS, make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import PACKED_ORDERS, make_kv_caches, random_slot_mapping
 
 CHUNK, LAYERS, HEADS, HEAD, MLA_C = 16, 2, 2, 16, 40
 BLOCK, BLOCKS = 8, 12

@@ -413,7 +413,7 @@ def test_resolve_config_stub_vllm(caplog, monkeypatch):
 
 
 def test_cli_config_check_ok(capsys):
-    from lmcache_triton.cli import main
+    from lmcache_triton.tools.cli import main
 
     assert main(["config", "check", str(DATA / "disagg_1p1d_prefiller.yaml")]) == 0
     out = capsys.readouterr().out
@@ -428,7 +428,7 @@ def test_cli_config_check_ok(capsys):
 
 
 def test_cli_config_check_env_file_and_extra(capsys, monkeypatch):
-    from lmcache_triton.cli import main
+    from lmcache_triton.tools.cli import main
 
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(DATA / "docs_valkey.yaml"))
     monkeypatch.setenv("LMCACHE_REMOTE_AUTH_TOKEN", "s3cret")
@@ -442,7 +442,7 @@ def test_cli_config_check_env_file_and_extra(capsys, monkeypatch):
 
 
 def test_cli_config_check_no_file(capsys):
-    from lmcache_triton.cli import main
+    from lmcache_triton.tools.cli import main
 
     assert main(["config", "check"]) == 0
     out = capsys.readouterr().out
@@ -460,7 +460,7 @@ def test_cli_config_check_no_file(capsys):
     ],
 )
 def test_cli_config_check_errors(capsys, args, pattern):
-    from lmcache_triton.cli import main
+    from lmcache_triton.tools.cli import main
 
     assert main(["config", "check", *args]) == 2
     captured = capsys.readouterr()
@@ -468,7 +468,7 @@ def test_cli_config_check_errors(capsys, args, pattern):
 
 
 def test_cli_config_check_imports_no_vllm_or_torch():
-    code = ("import sys\nfrom lmcache_triton.cli import main\n"
+    code = ("import sys\nfrom lmcache_triton.tools.cli import main\n"
             f"rc = main(['config', 'check', {str(DATA / 'ci_local_disk.yaml')!r}])\n"
             "print('MODS', sorted(m for m in ('vllm', 'torch') if m in sys.modules), rc)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}

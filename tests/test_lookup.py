@@ -8,11 +8,11 @@ import torch
 import zmq
 
 from lmcache_triton import LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
-from lmcache_triton.engine import LMCacheEngine
-from lmcache_triton.lookup import protocol
-from lmcache_triton.lookup.client import LookupClient
-from lmcache_triton.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.engine.engine import LMCacheEngine
+from lmcache_triton.integration.vllm.lookup import protocol
+from lmcache_triton.integration.vllm.lookup.client import LookupClient
+from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer, LMCacheLookupServer
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 CHUNK = 16
 LAYERS, HEADS, HEAD = 2, 2, 16

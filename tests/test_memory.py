@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from lmcache_triton.memory import MemoryFormat, TensorMemoryPool
+from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 F = MemoryFormat.KV_2LTD
 
@@ -114,7 +114,7 @@ def test_pinned_pool_without_cuda_is_a_clear_error():
 def test_pinned_pool_locks_exactly_its_size():
     """5 MiB + 512 B pinned: torch's host allocator would round it up to 8 MiB; the pool registers
     exactly its own buffer, which copies and kernels then use as pinned memory."""
-    from lmcache_triton.memory import pinned_buffer
+    from lmcache_triton.storage.memory import pinned_buffer
     size = (5 << 20) + 512
     before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     pool = TensorMemoryPool(size)

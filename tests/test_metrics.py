@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
 def _free_port() -> int:
@@ -75,7 +75,7 @@ def test_every_exported_metric_is_documented_in_the_readme_and_named_by_the_rule
     from prometheus_client import REGISTRY, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from lmcache_triton.metrics import histograms
+    from lmcache_triton.observability.prometheus import histograms
 
     histograms()  # registers the collector
     config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.01)
@@ -101,7 +101,7 @@ def test_every_exported_metric_is_documented_in_the_readme_and_named_by_the_rule
 def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_stats_command(capsys):
     import json
 
-    from lmcache_triton.cli import main
+    from lmcache_triton.tools.cli import main
 
     port = _free_port()
     config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.01, prometheus_port=port,

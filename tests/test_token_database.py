@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.token_database import CacheEngineKey, ChunkedTokenDatabase
+from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
 
 
 def _db(chunk_size=4, save_unfull_chunk=False, **meta):
@@ -89,7 +89,7 @@ def test_extra_hashes_change_the_key():
 _KEYS_SCRIPT = """
 import torch
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.token_database import ChunkedTokenDatabase
+from lmcache_triton.engine.token_database import ChunkedTokenDatabase
 m = LMCacheEngineMetadata(model_name="org/model-7b", world_size=2, worker_id=1, kv_dtype=torch.bfloat16,
                           kv_shape=(2, 2, 4, 2, 32))
 db = ChunkedTokenDatabase(4, m)

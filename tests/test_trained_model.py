@@ -1,4 +1,4 @@
-"""The trained model's recipe (`lmcache_triton.models.train_llama`) at toy scale: 5 steps on a slice
+"""The trained model's recipe (`lmcache_triton.tools.models.train_llama`) at toy scale: 5 steps on a slice
 of the standard library (seconds; the real recipe's few minutes of training never run in the suite).
 Checks that the recipe runs, that its output is a standard transformers folder with a working
 tokenizer, that the cache is keyed by the recipe, and that `bench.blend --trained` runs on it
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_triton.models import SMOKE_RECIPE, stdlib_corpus, train_llama, trained_model_dir, trained_model_info
+from lmcache_triton.tools.models import SMOKE_RECIPE, stdlib_corpus, train_llama, trained_model_dir, trained_model_info
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,12 +15,12 @@ import torch
 import zmq
 
 from lmcache_triton import LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
-from lmcache_triton.engine import LMCacheEngine
-from lmcache_triton.lookup.client import LookupClient
-from lmcache_triton.lookup.server import LMCacheLookupServer
-from lmcache_triton.memory import MemoryFormat, MemoryObj, TensorMemoryPool
+from lmcache_triton.engine.engine import LMCacheEngine
+from lmcache_triton.integration.vllm.lookup.client import LookupClient
+from lmcache_triton.integration.vllm.lookup.server import LMCacheLookupServer
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj, TensorMemoryPool
 from lmcache_triton.storage.manager import StorageManager
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 CHUNK = 16
 LAYERS, HEADS, HEAD = 2, 2, 16
@@ -241,7 +241,7 @@ def test_write_through_object_cannot_be_evicted_between_insert_and_pin(tmp_path)
             return ok
 
         m.cpu.put = put_then_evict
-        from lmcache_triton.token_database import ChunkedTokenDatabase
+        from lmcache_triton.engine.token_database import ChunkedTokenDatabase
 
         db = ChunkedTokenDatabase(CHUNK, metadata)
         (_, _, key), = db.process_tokens(_prompt(1, 3))
@@ -268,7 +268,7 @@ def test_threaded_stress_zero_wrong_bytes(tmp_path):
                                                local_disk=str(tmp_path), max_local_disk_size=0.0005)
     metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
                                      kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
-    from lmcache_triton.token_database import ChunkedTokenDatabase
+    from lmcache_triton.engine.token_database import ChunkedTokenDatabase
 
     m = StorageManager(config, metadata, pin_memory=False)
     db = ChunkedTokenDatabase(CHUNK, metadata)

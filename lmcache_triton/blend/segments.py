@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from lmcache_triton.memory import MemoryFormat
+from lmcache_triton.storage.memory import MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.token_database import CacheEngineKey, MMSpan, chain_seed, identity_digest, make_key, namespace_digest, spans_hash
+from lmcache_triton.engine.token_database import CacheEngineKey, MMSpan, chain_seed, identity_digest, make_key, namespace_digest, spans_hash
 
 _HASH_BYTES = 16
 _DOMAIN = b"segment"

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lmcache_triton.memory import MemoryFormat, MemoryObj
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 # Gives the backend room for a chunk it is about to read (e.g. the CPU pool's allocate);
 # None when there is no room, which the backend reports as a miss.

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from lmcache_triton.memory import MemoryFormat, MemoryObj, TensorMemoryPool
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj, TensorMemoryPool
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 logger = logging.getLogger("lmcache_triton")
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_triton.memory import MemoryObj
+from lmcache_triton.storage.memory import MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.base import AllocateFn, StorageBackend
 from lmcache_triton.storage.serde import (
@@ -49,7 +49,7 @@ from lmcache_triton.storage.serde import (
     serialize_parts,
     verify_checksum,
 )
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 logger = logging.getLogger("lmcache_triton")
 

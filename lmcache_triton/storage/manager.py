@@ -19,10 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.memory import MemoryFormat, MemoryObj
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 logger = logging.getLogger("lmcache_triton")
 

@@ -28,12 +28,13 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from lmcache_triton.memory import MemoryObj
+from lmcache_triton.storage.memory import MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.storage import serde, wire
+from lmcache_triton.storage import serde
+from lmcache_triton.server import wire
 from lmcache_triton.storage.base import AllocateFn, StorageBackend
-from lmcache_triton.storage.wire import Command, Limits, Status
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.server.wire import Command, Limits, Status
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 logger = logging.getLogger("lmcache_triton")
 

@@ -38,9 +38,9 @@ import lz4.frame
 import numpy as np
 import torch
 
-from lmcache_triton.memory import MemoryFormat
+from lmcache_triton.storage.memory import MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 FORMAT_VERSION: int = 1
 COMPRESSIONS = ("naive", "lz4")

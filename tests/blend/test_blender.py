@@ -14,7 +14,7 @@ from lmcache_triton.blend import (HFLlamaLayerwise, LMCBlender, LMCBlenderBuilde
                                   segment_positions)
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.kernels import kv_deviation_ref, num_recompute_tokens, rope_rerotate_ref
-from lmcache_triton.models import TinyLlamaSpec, build_random_llama, random_prompt
+from lmcache_triton.tools.models import TinyLlamaSpec, build_random_llama, random_prompt
 
 SEP = [4, 5]
 DOC_LENS = (40, 33, 27)
@@ -162,7 +162,7 @@ def test_through_the_engine_and_paged_cache(model, case):
     from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineMetadata, create_gpu_connector
     from lmcache_triton.blend import SegmentTokenDatabase
     from lmcache_triton.kernels import paged_gather_layer_ref, paged_scatter_layer
-    from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+    from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
     c = model.config
     L, H, D, T = c.num_hidden_layers, c.num_key_value_heads, c.head_dim, case["T"]

@@ -4,7 +4,7 @@ import pytest
 from lmcache_triton.blend.segments import SegmentTokenDatabase, separator_ids, split_segments
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.token_database import ChunkedTokenDatabase
+from lmcache_triton.engine.token_database import ChunkedTokenDatabase
 
 SEP = [7, 8]
 
@@ -91,8 +91,8 @@ def test_multimodal_inputs_change_the_segment_they_sit_in_wherever_it_appears():
 
 def test_lookup_counts_tokens_outside_cacheable_segments_as_blending_ineligible():
     from lmcache_triton import create_gpu_connector
-    from lmcache_triton.engine import LMCacheEngine
-    from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+    from lmcache_triton.engine.engine import LMCacheEngine
+    from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
     config = LMCacheEngineConfig.from_defaults(chunk_size=4, max_local_cpu_size=0.01, use_layerwise=True,
                                                enable_blending=True, blend_min_tokens=3)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_triton.models import build_random_llama
+from lmcache_triton.tools.models import build_random_llama
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import zmq
 
-from lmcache_triton.storage import wire
-from lmcache_triton.storage.wire import Command, Status
+from lmcache_triton.server import wire
+from lmcache_triton.server.wire import Command, Status
 
 # In turn, the quick failures first: the slow ones (the client waits out its timeout, then backs off
 # and skips calls for a while) come after, so a short run still sees every kind.

@@ -267,8 +267,8 @@ def test_a_saving_step_does_not_wait_on_a_remote_that_never_answers(tmp_path):
     import zmq
 
     from lmcache_triton import LMCacheEngineMetadata, create_gpu_connector
-    from lmcache_triton.engine import LMCacheEngine
-    from lmcache_triton.testing import make_kv_caches
+    from lmcache_triton.engine.engine import LMCacheEngine
+    from lmcache_triton.tools.testing import make_kv_caches
 
     ctx = zmq.Context()
     hung = ctx.socket(zmq.ROUTER)  # completes the handshake, reads, never answers

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmcache_triton.models import random_prompt
+from lmcache_triton.tools.models import random_prompt
 from lmcache_triton.storage import serde
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -255,12 +255,12 @@ def baseline(run_vllm, tiny_model, tmp_path_factory) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def real_server():
-    """A real `python -m lmcache_triton.storage.cache_server` on loopback, with an 8 MiB pending-reply
+    """A real `python -m lmcache_triton.server.cache_server` on loopback, with an 8 MiB pending-reply
     budget (so one slow reader can hold it with a few 2 MiB values). Shared by `remote` and `restart`."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "LMCACHE_REMOTE_AUTH_TOKEN"}
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache_triton.storage.cache_server", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache_triton.server.cache_server", "--host", "127.0.0.1",
                              "--port", str(port), "--max-size-gb", "0.5", "--max-pending-reply-mb", "8",
                              "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=log, env=env)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_triton.models import TinyLlamaSpec, random_prompt
+from lmcache_triton.tools.models import TinyLlamaSpec, random_prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(700)]
 

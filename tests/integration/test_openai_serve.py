@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_triton.models import random_prompt
-from lmcache_triton.serve import DEFAULT_KV_TRANSFER_CONFIG, given_options, plan
+from lmcache_triton.tools.models import random_prompt
+from lmcache_triton.tools.serve import DEFAULT_KV_TRANSFER_CONFIG, given_options, plan
 
 CHUNK = 256  # the connector's default chunk_size: only whole chunks are saved and loaded
 
@@ -86,7 +86,7 @@ def test_openai_server_cold_warm_and_streamed_outputs_match(tiny_model, free_por
     openai = pytest.importorskip("openai")
     port, metrics_port = free_port(), free_port()
     script = Path(sys.executable).with_name("lmcache-triton")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_triton.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_triton.tools.cli"]
     cmd += ["serve", tiny_model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096"]
     # As a user's shell: no VLLM_CPU_KVCACHE_SPACE (serve's default applies), no LMCACHE_* but the
     # metrics port and a small CPU tier (the default preallocates 5 GB).

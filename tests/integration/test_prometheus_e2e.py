@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.dashboard import DASHBOARD, Prometheus, panel_queries
-from lmcache_triton.models import random_prompt
+from lmcache_triton.tools.models import random_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """The trained model's folder (train_llama's output, at toy scale) is one vLLM serves."""
 
-from lmcache_triton.models import SMOKE_RECIPE, train_llama
+from lmcache_triton.tools.models import SMOKE_RECIPE, train_llama
 
 
 def test_trained_model_loads_in_vllm(run_vllm, tmp_path):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from lmcache_triton.models import random_prompt
+from lmcache_triton.tools.models import random_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def test_disk_tier_survives_restart_and_corruption_is_a_miss(run_vllm, tiny_mode
 
 def test_two_vllm_processes_share_through_the_cache_server(run_vllm, tiny_model, baseline, tmp_path, free_port):
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "lmcache_triton.storage.cache_server", "--host", "127.0.0.1",
+    server = subprocess.Popen([sys.executable, "-m", "lmcache_triton.server.cache_server", "--host", "127.0.0.1",
                                "--port", str(port), "--max-size-gb", "0.5"])
     try:
         conn = _conn(remote_url=f"lm://127.0.0.1:{port}", blocking_timeout_secs=2)
@@ -164,7 +164,7 @@ def test_demo_command(tiny_model, tmp_path):
         png = tmp_path / "ttft.png"
     except ImportError:
         png = None
-    r = subprocess.run([sys.executable, "-m", "lmcache_triton.cli", "demo", "--model", tiny_model, "--tokens", "1024",
+    r = subprocess.run([sys.executable, "-m", "lmcache_triton.tools.cli", "demo", "--model", tiny_model, "--tokens", "1024",
                         *(["--plot", str(png)] if png else [])], capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = r.stdout.rstrip().splitlines()

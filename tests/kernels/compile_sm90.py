@@ -29,7 +29,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from lmcache_triton.kernels import (blend, kv_deviation, paged_copy, paged_gather, paged_gather_layer,
                                     paged_scatter, paged_scatter_layer, rope, rope_rerotate, selective_write)
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = {

@@ -12,7 +12,7 @@ from lmcache_triton.kernels import (LAYOUTS, kv_geometry, kv_views, paged_gather
                                     paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref)
 from lmcache_triton.kernels import paged_copy
 
-from lmcache_triton.testing import PACKED_ORDERS as PERMS  # noqa: E402  vLLM's 6 stride orders
+from lmcache_triton.tools.testing import PACKED_ORDERS as PERMS  # noqa: E402  vLLM's 6 stride orders
 DTYPES = [
     pytest.param(torch.float16, id="fp16"),
     pytest.param(torch.bfloat16, id="bf16"),

@@ -14,7 +14,7 @@ import torch
 from lmcache_triton.kernels import paged_copy, paged_gather, paged_gather_ref, paged_scatter, paged_scatter_ref
 from lmcache_triton.kernels import tuning
 from lmcache_triton.kernels.layouts import kv_views
-from lmcache_triton.testing import make_kv_caches
+from lmcache_triton.tools.testing import make_kv_caches
 
 HEADS, HEAD_SIZE = 2, 32  # hidden 64: the heuristic picks (64, 64, 4)
 TUNED = {"BLOCK_T": 2, "BLOCK_D": 16, "num_warps": 1}

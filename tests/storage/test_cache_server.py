@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from lmcache_triton.storage import wire
-from lmcache_triton.storage.cache_server import (
+from lmcache_triton.server import wire
+from lmcache_triton.server.cache_server import (
     DiskMirror,
     ReplyBudget,
     add_server_parser,
@@ -21,7 +21,7 @@ from lmcache_triton.storage.cache_server import (
     config_from_args,
 )
 from lmcache_triton.storage.remote import CacheServerClient, RemoteError
-from lmcache_triton.storage.wire import Command, Status
+from lmcache_triton.server.wire import Command, Status
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_triton.memory import MemoryFormat, MemoryObj, TensorMemoryPool
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj, TensorMemoryPool
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.base import StorageBackend
 from lmcache_triton.storage.local_disk import LocalDiskBackend
 from lmcache_triton.storage.serde import read_header
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 REPO = Path(__file__).resolve().parents[2]
 F = MemoryFormat.KV_2LTD
@@ -98,10 +98,10 @@ def test_persists_across_backends(tmp_path, pool):
 def test_persists_across_processes(tmp_path, pool):
     script = f"""
 import torch
-from lmcache_triton.memory import MemoryObj, MemoryFormat
+from lmcache_triton.storage.memory import MemoryObj, MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_disk import LocalDiskBackend
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 meta = LMCacheEngineMetadata({MODEL!r}, 1, 0, torch.bfloat16, {(2, 2, 16, 2, 8)!r})
 g = torch.Generator().manual_seed(7)
 t = torch.randint(0, 256, ({2 * 2 * 16 * 16 * 2},), dtype=torch.uint8, generator=g).view(torch.bfloat16).view({SHAPE!r})

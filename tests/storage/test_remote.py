@@ -236,7 +236,7 @@ def test_malformed_replies_raise_remote_error_only() -> None:
 
     import zmq
 
-    from lmcache_triton.storage import wire
+    from lmcache_triton.server import wire
     from lmcache_triton.storage.remote import CacheServerClient, RemoteError
 
     ctx = zmq.Context()
@@ -274,7 +274,7 @@ def test_refused_port_is_told_at_once_not_after_the_connect_wait(cache_server, f
     """A killed server's port refuses connections: the client says so instead of waiting out ZMQ's
     silent retries (which made every lookup that reached a dead server cost the connect timeout)."""
     from lmcache_triton.storage.remote import RemoteUnavailable
-    from lmcache_triton.storage.wire import Command
+    from lmcache_triton.server.wire import Command
 
     dead = CacheServerClient("127.0.0.1", free_port(), timeout_s=5.0, connect_timeout_s=5.0)
     with pytest.raises(RemoteUnavailable, match="connection refused"):

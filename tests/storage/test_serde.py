@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
-from lmcache_triton.memory import MemoryFormat
+from lmcache_triton.storage.memory import MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.serde import (
     FORMAT_VERSION,
@@ -19,7 +19,7 @@ from lmcache_triton.storage.serde import (
     read_header,
     serialize,
 )
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 F = MemoryFormat
 SHAPES = [  # odd token counts (7, 1) on purpose

@@ -18,7 +18,7 @@ from lmcache_triton.integration.vllm.specs import (
     RequestTracker,
     mm_spans,
 )
-from lmcache_triton.lookup.client import LookupClientFactory
+from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
 
 logger = logging.getLogger("lmcache_triton")
 

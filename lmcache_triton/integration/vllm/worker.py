@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache_triton.gpu_connector import create_gpu_connector
+from lmcache_triton.engine.engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache_triton.engine.gpu_connector import create_gpu_connector
 from lmcache_triton.integration.vllm.common import (
     cpu_blocks_opaque,
     engine_id,
@@ -24,7 +24,7 @@ from lmcache_triton.integration.vllm.common import (
 )
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
-from lmcache_triton.lookup.server import LMCacheAsyncLookupServer
+from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
 from lmcache_triton.metadata import LMCacheEngineMetadata
 
 logger = logging.getLogger("lmcache_triton")

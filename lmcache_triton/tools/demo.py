@@ -11,11 +11,11 @@ import time
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.engine import LMCacheEngineBuilder
-from lmcache_triton.gpu_connector import create_gpu_connector
+from lmcache_triton.engine.engine import LMCacheEngineBuilder
+from lmcache_triton.engine.gpu_connector import create_gpu_connector
 from lmcache_triton.kernels import paged_gather
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
 def run_engine_demo(*, tokens: int = 8192, layers: int = 32, heads: int = 8, head_size: int = 128,

@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from lmcache_triton import metrics
+from lmcache_triton.observability import prometheus as metrics
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.gpu_connector import GPUConnectorInterface, VLLMPagedMemLayerwiseGPUConnector
-from lmcache_triton.memory import MemoryObj
+from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, VLLMPagedMemLayerwiseGPUConnector
+from lmcache_triton.storage.memory import MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.observability import LMCStatsMonitor
-from lmcache_triton.pins import LookupPins
+from lmcache_triton.observability.stats import LMCStatsMonitor
+from lmcache_triton.engine.reservations import LookupPins
 from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
-from lmcache_triton.token_database import CacheEngineKey, ChunkedTokenDatabase
+from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
 
 logger = logging.getLogger("lmcache_triton")
 

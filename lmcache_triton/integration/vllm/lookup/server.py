@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from lmcache_triton.engine import LMCacheEngine
-from lmcache_triton.lookup import protocol
+from lmcache_triton.engine.engine import LMCacheEngine
+from lmcache_triton.integration.vllm.lookup import protocol
 
 logger = logging.getLogger("lmcache_triton")
 

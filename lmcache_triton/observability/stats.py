@@ -60,7 +60,7 @@ class LMCStatsMonitor:
     """Thread-safe accumulators; `get_stats()` returns an immutable snapshot.
 
     With `labels` (model, rank), each operation is also observed in the Prometheus histograms
-    of `lmcache_triton.metrics`."""
+    of `lmcache_triton.observability.prometheus`."""
 
     _FIELDS = tuple(f for f in LMCacheStats.__dataclass_fields__ if f != "miss_tokens")
 
@@ -68,7 +68,7 @@ class LMCStatsMonitor:
         self._lock = threading.Lock()
         self._hist = None
         if labels is not None:
-            from lmcache_triton.metrics import histograms
+            from lmcache_triton.observability.prometheus import histograms
 
             self._hist = {name: h.labels(*labels) for name, h in histograms().items()}
         self.reset()

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from lmcache_triton.engine import LMCacheEngine
+    from lmcache_triton.engine.engine import LMCacheEngine
 
 logger = logging.getLogger("lmcache_triton")
 

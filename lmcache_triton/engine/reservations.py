@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lmcache_triton.memory import MemoryObj
-from lmcache_triton.token_database import CacheEngineKey
+from lmcache_triton.storage.memory import MemoryObj
+from lmcache_triton.engine.token_database import CacheEngineKey
 
 Pin = tuple[CacheEngineKey, MemoryObj]
 

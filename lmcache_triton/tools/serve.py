@@ -186,7 +186,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmcache_triton.serve")
+    p = argparse.ArgumentParser(prog="python -m lmcache_triton.tools.serve")
     add_serve_parser(p.add_subparsers(dest="command", required=True))
     args = p.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     return args.func(args)

@@ -273,10 +273,10 @@ def train_llama(recipe: TrainRecipe = TrainRecipe(), root: str | Path | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m lmcache_triton.models train [--steps N]`: trains (or finds) the stdlib model, prints its folder."""
+    """`python -m lmcache_triton.tools.models train [--steps N]`: trains (or finds) the stdlib model, prints its folder."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m lmcache_triton.models", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m lmcache_triton.tools.models", description=main.__doc__)
     p.add_argument("command", choices=["train"])
     p.add_argument("--steps", type=int, default=TrainRecipe.steps)
     p.add_argument("--root", help=f"cache folder (default {CACHE_DIR})")

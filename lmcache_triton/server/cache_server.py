@@ -1,6 +1,6 @@
 """The standalone cache server behind `lm://host:port`: an LRU map of opaque values over ZMQ.
 
-    python -m lmcache_triton.storage.cache_server --host 127.0.0.1 --port 65432 \
+    python -m lmcache_triton.server.cache_server --host 127.0.0.1 --port 65432 \
         [--max-size-gb N] [--max-value-mb M] [--max-pending-reply-mb P] [--disk DIR] [--auth-token T]
 
 One ROUTER socket and one thread. The loop never waits on a client: requests arrive whole (ZMQ's
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import zmq
 
-from lmcache_triton.storage import wire
-from lmcache_triton.storage.wire import Command, Limits, Status
+from lmcache_triton.server import wire
+from lmcache_triton.server.wire import Command, Limits, Status
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -581,7 +581,7 @@ def run_stats(args: argparse.Namespace) -> int:
     from lmcache_triton.storage.remote import CacheServerClient, RemoteError, parse_lm_url
 
     if args.url.startswith(("http://", "https://")):
-        from lmcache_triton.metrics import scrape_engine_stats
+        from lmcache_triton.observability.prometheus import scrape_engine_stats
 
         fetch, errors, close = (lambda: scrape_engine_stats(args.url, args.timeout)), (OSError, ValueError), None
     else:
@@ -651,7 +651,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _configure(argparse.ArgumentParser(prog="python -m lmcache_triton.storage.cache_server",
+    args = _configure(argparse.ArgumentParser(prog="python -m lmcache_triton.server.cache_server",
                                               description=__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args(argv)
     return run_server(args)

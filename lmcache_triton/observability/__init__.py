@@ -1,0 +1,1 @@
+"""Statistics (per engine, typed per tier) and their Prometheus exporter."""
