@@ -89,7 +89,7 @@ _SPECS: dict[str, _Spec] = {
     "enable_async_loading": _Spec("bool"),
     "lookup_timeout_ms": _Spec("int"),
     "prometheus_port": _Spec("int", optional=True),
-    "pin_lease_secs": _Spec("float"),
+    "reservation_lease_secs": _Spec("float"),
     "verify_hit_rate": _Spec("float"),
     "namespace_secret": _Spec("str", optional=True),
     "extra_config": _Spec("dict", optional=True),
@@ -259,8 +259,8 @@ _LMCACHE_NAMES: dict[str, _Compat] = {
     # Old or LMCache-only names of fields here.
     "blend_recompute_ratio": _Compat("alias", "LMCache's old name of blend_recompute_ratios",
                                      target="blend_recompute_ratios", convert=_ratio_from_lmcache),
-    "pin_timeout_sec": _Compat("alias", "LMCache's forced-unpin timeout is pin_lease_secs here",
-                               target="pin_lease_secs", convert=_same),
+    "pin_timeout_sec": _Compat("alias", "LMCache's forced-unpin timeout is reservation_lease_secs here",
+                               target="reservation_lease_secs", convert=_same),
     # LMCache v0's config (lmcache/config.py), still in some of its published examples.
     "local_device": _Compat("alias", "LMCache v0's name", target="local_cpu", convert=_local_device),
     "max_local_cache_size": _Compat("alias", "LMCache v0's name of the CPU tier's size in GB",
@@ -316,7 +316,7 @@ _LMCACHE_NAMES: dict[str, _Compat] = {
         "lazy_memory_expand_trigger_ratio": 0.5, "lazy_memory_step_ratio": 0.1,
         "lazy_memory_safe_size": 0.0,
     }.items()},
-    "pin_check_interval_sec": _ignore("pins here expire lazily after pin_lease_secs, with no monitor thread", 30),
+    "pin_check_interval_sec": _ignore("reservations here expire lazily after reservation_lease_secs, with no monitor thread", 30),
     "py_enable_gc": _ignore("this LMCache tuning knob has no counterpart here", True),
     **{k: _ignore(_STATS, d) for k, d in {
         "internal_api_server_enabled": False, "internal_api_server_host": "0.0.0.0",
@@ -773,10 +773,10 @@ class LMCacheEngineConfig:
     # http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join
     # vLLM's own /metrics when PROMETHEUS_MULTIPROC_DIR is set).
     prometheus_port: int | None = None
-    # Not LMCache fields. The longest a lookup's pins may hold chunks in the CPU tier: a load
+    # Not LMCache fields. The longest a lookup's reservation may hold chunks in the CPU tier: a load
     # normally follows within one scheduler step, and a lookup whose request was aborted, timed
     # out or never scheduled must not hold tier capacity for good (expired leases are counted).
-    pin_lease_secs: float = 30.0
+    reservation_lease_secs: float = 30.0
     # The share of hits (0..1) that vLLM recomputes instead of loading, to compare the computed KV
     # with the stored chunk (a canary: a mismatch is counted, logged and the chunk removed).
     verify_hit_rate: float = 0.0
@@ -809,7 +809,7 @@ class LMCacheEngineConfig:
             raise ConfigError(
                 f"invalid value for 'verify_hit_rate': must be in [0, 1], got {self.verify_hit_rate!r}"
             )
-        for key in ("blocking_timeout_secs", "lookup_timeout_ms", "pin_lease_secs"):
+        for key in ("blocking_timeout_secs", "lookup_timeout_ms", "reservation_lease_secs"):
             if getattr(self, key) <= 0:
                 raise ConfigError(
                     f"invalid value for '{key}': must be > 0, got {getattr(self, key)!r}"

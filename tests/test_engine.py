@@ -150,12 +150,12 @@ def test_lru_eviction_through_the_engine_and_lookup_pins():
     src = caches(g=torch.Generator().manual_seed(0))
     a, b = torch.arange(2 * CHUNK), torch.arange(1000, 1000 + 2 * CHUNK)
     engine.store(a, kvcaches=src, slot_mapping=_slots(2 * CHUNK, 1))
-    assert engine.lookup(a, pin=True, lookup_id="req-a") == 2 * CHUNK
+    assert engine.lookup(a, reserve=True, lookup_id="req-a") == 2 * CHUNK
     engine.store(b, kvcaches=src, slot_mapping=_slots(2 * CHUNK, 2))
-    # b's second chunk found no room: a's chunks are pinned by the lookup, so they stay
+    # b's second chunk found no room: a's chunks are held by the lookup, so they stay
     assert engine.lookup(a) == 2 * CHUNK and engine.lookup(b) == CHUNK
     assert engine.get_stats().store_refusals == 1
-    engine.lookup_unpin("req-a")
+    engine.release_reservation("req-a")
     engine.store(b, kvcaches=src, slot_mapping=_slots(2 * CHUNK, 2))
     assert engine.lookup(b) == 2 * CHUNK and engine.lookup(a) == 0  # a's first chunk was the oldest
 
@@ -202,7 +202,7 @@ def test_layerwise_generators_step_one_layer_at_a_time():
         assert next(retriever) is None
     assert next(retriever).all()
     assert torch.equal(paged_gather(dst, slots, "vllm_cpu"), paged_gather(src, slots, "vllm_cpu"))
-    assert engine.storage_manager.cpu.num_pinned == 0, "a finished load leaves nothing pinned"
+    assert engine.storage_manager.cpu.num_held == 0, "a finished load leaves nothing held"
 
 
 def test_layerwise_generators_closed_early_leak_nothing():
@@ -217,6 +217,6 @@ def test_layerwise_generators_closed_early_leak_nothing():
     engine.store(tokens, kvcaches=src, slot_mapping=slots)
     retriever = engine.retrieve_layer(tokens, kvcaches=caches(fill=0), slot_mapping=slots)
     next(retriever)
-    assert engine.storage_manager.cpu.num_pinned > 0
+    assert engine.storage_manager.cpu.num_held > 0
     retriever.close()
-    assert engine.storage_manager.cpu.num_pinned == 0, "a load closed early releases its pins"
+    assert engine.storage_manager.cpu.num_held == 0, "a load closed early releases its holds"

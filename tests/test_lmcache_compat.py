@@ -310,8 +310,8 @@ def test_blend_recompute_ratio_env_and_errors():
 def test_pin_timeout_sec_is_pin_lease_secs(caplog):
     with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
         c = LMCacheEngineConfig.load(environ={"LMCACHE_PIN_TIMEOUT_SEC": "300"})
-    assert c.pin_lease_secs == 300.0
-    assert any("pin_lease_secs=300.0" in m for m in warnings_of(caplog))
+    assert c.reservation_lease_secs == 300.0
+    assert any("reservation_lease_secs=300.0" in m for m in warnings_of(caplog))
 
 
 def test_remote_config_url_rejected():

@@ -61,14 +61,14 @@ def test_hit_miss_namespace_and_pins(closing):
     client = _client(closing, eid)
     query = PROMPT.tolist() + [7] * (CHUNK + 3)
     assert client.lookup(query, "req-hit") == 3 * CHUNK
-    assert engine.storage_manager.cpu.num_pinned == 3, "the reported chunks are pinned for the load"
+    assert engine.storage_manager.cpu.num_held == 3, "the reported chunks are held for the load"
     assert client.lookup([999] + query[1:], "req-first-changed") == 0
     assert client.lookup(PROMPT[: 2 * CHUNK].tolist(), "req-short") == 2 * CHUNK
     assert client.lookup(query, "req-other-ns", namespace="salt") == 0, "keys of one namespace never match another"
-    engine.lookup_unpin("req-short")
-    assert engine.storage_manager.cpu.num_pinned == 3, "req-hit still holds its pins"
-    engine.lookup_unpin("req-hit")
-    assert engine.storage_manager.cpu.num_pinned == 0
+    engine.release_reservation("req-short")
+    assert engine.storage_manager.cpu.num_held == 3, "req-hit still holds its holds"
+    engine.release_reservation("req-hit")
+    assert engine.storage_manager.cpu.num_held == 0
 
 
 def test_namespace_hit(closing):
@@ -126,7 +126,7 @@ def test_async_client_polls_and_caches_per_lookup_id(closing):
     while (hit := client.lookup(PROMPT.tolist(), "req")) is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert hit == 3 * CHUNK
-    engine.lookup_unpin("req")
+    engine.release_reservation("req")
     # the cached answer is served without asking again: it stays even though the engine changed
     engine.storage_manager.clear()
     assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
@@ -144,7 +144,7 @@ def test_sync_client_caches_per_lookup_id(closing):
     _server(closing, LMCacheLookupServer, engine, eid)
     client = _client(closing, eid)
     assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
-    engine.lookup_unpin("req")
+    engine.release_reservation("req")
     engine.storage_manager.clear()
     assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
     client.clear_lookup_status("req")
@@ -171,12 +171,12 @@ def test_garbage_does_not_kill_the_server(closing, cls):
 
 def test_lookups_the_scheduler_gave_up_on_are_not_run(closing):
     """A lookup stuck on a slow remote must not leave a queue of expired lookups behind it that
-    each pin chunks and wait again: the server answers those 0 at once."""
+    each hold chunks and wait again: the server answers those 0 at once."""
 
     class SlowEngine:
         calls: list[str] = []
 
-        def lookup(self, tokens, pin=False, *, lookup_id=None, **kw):
+        def lookup(self, tokens, reserve=False, *, lookup_id=None, **kw):
             self.calls.append(lookup_id)
             time.sleep(1.2)  # past the first client's 500 ms and the second's, sent 500 ms later
             return 0

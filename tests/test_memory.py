@@ -52,7 +52,7 @@ def test_lru_evicts_the_oldest_unpinned_chunk():
     for i in range(3):
         _put(be, i)
     obj = be.get(_key(0))  # touch 0: now 1 is the oldest
-    obj.unpin()
+    obj.unhold()
     _put(be, 3)
     assert [be.contains(_key(i)) for i in range(4)] == [True, False, True, True]
     assert be.num_evictions == 1
@@ -66,10 +66,10 @@ def test_pinned_chunk_is_never_evicted_and_full_pinned_tier_refuses():
     _put(be, 2)
     assert be.contains(_key(0)) and not be.contains(_key(1)) and be.contains(_key(2))
     held = be.get(_key(2))  # now everything is pinned
-    assert not _put(be, 3), "a tier full of pinned chunks refuses instead of evicting them"
+    assert not _put(be, 3), "a tier full of held chunks refuses instead of evicting them"
     assert be.num_refusals == 1 and be.contains(_key(0)) and be.contains(_key(2))
     assert torch.all(held.tensor == 2)
-    held.unpin()
+    held.unhold()
     assert _put(be, 3) and not be.contains(_key(2))
 
 
@@ -85,7 +85,7 @@ def test_remove_clear_and_duplicate_put():
     used = be.used_bytes
     assert be.remove(_key(0)) and not be.contains(_key(0)), "a removed key is gone for new readers at once"
     assert be.used_bytes == used and torch.all(got.tensor == 0), "its memory stays with its reader"
-    got.unpin()
+    got.unhold()
     got.free()  # what StorageManager.release does for an object no tier holds
     assert be.used_bytes < used
     assert be.clear() == 1 and len(be) == 0 and be.used_bytes == 0
@@ -96,10 +96,10 @@ def test_oversized_chunk_is_refused():
     assert be.allocate((4096,), torch.uint8, F) is None and be.num_refusals == 1
 
 
-def test_unpin_without_pin_is_an_error():
+def test_unhold_without_hold_is_an_error():
     pool = TensorMemoryPool(1024, pin_memory=False)
-    with pytest.raises(RuntimeError, match="not pinned"):
-        pool.allocate((8,), torch.uint8, F).unpin()
+    with pytest.raises(RuntimeError, match="not held"):
+        pool.allocate((8,), torch.uint8, F).unhold()
 
 
 def test_pinned_pool_without_cuda_is_a_clear_error():
@@ -118,7 +118,7 @@ def test_pinned_pool_locks_exactly_its_size():
     size = (5 << 20) + 512
     before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     pool = TensorMemoryPool(size)
-    assert pool.buffer.is_pinned() and pool.buffer.numel() == size
+    assert pool.buffer.is_held() and pool.buffer.numel() == size
     assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before  # not torch's allocator
     obj = pool.allocate((2, 3, 17, 64), torch.bfloat16, F)
     src = torch.randn(obj.shape, device="cuda").to(torch.bfloat16)
@@ -126,5 +126,5 @@ def test_pinned_pool_locks_exactly_its_size():
     torch.cuda.synchronize()
     assert torch.equal(obj.tensor.cuda(), src)
     buf, registered = pinned_buffer(4096)
-    assert buf.is_pinned() and registered == [buf.data_ptr()]
+    assert buf.is_held() and registered == [buf.data_ptr()]
     torch.cuda.cudart().cudaHostUnregister(registered[0])

@@ -105,7 +105,7 @@ def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_sta
 
     port = _free_port()
     config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.01, prometheus_port=port,
-                                               pin_lease_secs=0.05)
+                                               reservation_lease_secs=0.05)
     metadata = LMCacheEngineMetadata(model_name="metrics/misses", world_size=1, worker_id=0, kv_dtype=torch.float16,
                                      kv_shape=(2, 2, 16, 2, 32))
     engine = LMCacheEngineBuilder.get_or_create("metrics-misses", config, metadata,
@@ -129,10 +129,10 @@ def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_sta
     labels = {"model": "metrics/misses", "rank": "0"}
     assert _value(text, "lmcache_triton_miss_tokens_total", reason="never_stored", **labels) == 32
     assert _value(text, "lmcache_triton_miss_tokens_total", reason="partial_chunk", **labels) == 8
-    assert _value(text, "lmcache_triton_expired_pin_leases_total", **labels) == 1
-    assert _value(text, "lmcache_triton_pinned_chunks", **labels) == 0, "the scrape reaps expired leases"
+    assert _value(text, "lmcache_triton_expired_reservations_total", **labels) == 1
+    assert _value(text, "lmcache_triton_held_chunks", **labels) == 0, "the scrape reaps expired leases"
     assert _value(text, "lmcache_triton_verify_checked_total", **labels) == 2
     assert _value(text, "lmcache_triton_verify_mismatch_total", **labels) == 0
     shown = json.loads(capsys.readouterr().out)["metrics/misses rank 0"]
     assert shown["miss_tokens"] == {"never_stored": 32.0, "partial_chunk": 8.0}
-    assert shown["expired_pin_leases"] == 1.0
+    assert shown["expired_reservations"] == 1.0

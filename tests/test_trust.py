@@ -1,4 +1,4 @@
-"""Trust under faults, at the engine: lookup pins never leak, the step never waits on a remote,
+"""Trust under faults, at the engine: lookup holds never leak, the step never waits on a remote,
 no race frees memory still in use, a stored chunk that lies is caught, misses say why, and a
 cache salt never shows. Real tiers (CPU pool, disk folder, a hung ZMQ peer on loopback)."""
 
@@ -86,10 +86,10 @@ def _prompt(n_chunks: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 30000, (n_chunks * CHUNK,), generator=torch.Generator().manual_seed(seed))
 
 
-# ---- 1. lookup pins ---------------------------------------------------------------------------
+# ---- 1. lookup holds ---------------------------------------------------------------------------
 def test_release_before_a_slow_lookup_finishes_leaks_no_pin(closing, hung):
     """The scheduler's lookup times out while the worker waits on a hung remote; the step's
-    release arrives before the lookup has finished pinning. Every pin must still go."""
+    release arrives before the lookup has finished holding. Every hold must still go."""
     engine = _engine(closing, remote_url=f"lm://127.0.0.1:{hung.port}", blocking_timeout_secs=1.5)
     prompt = _prompt(3, seed=1)
     caches, slots = _caches(), _slots(len(prompt))
@@ -102,45 +102,45 @@ def test_release_before_a_slow_lookup_finishes_leaks_no_pin(closing, hung):
     t0 = time.monotonic()
     assert client.lookup(prompt.tolist(), "req-1") == 0, "a timed-out lookup is a miss"
     assert time.monotonic() - t0 < 1.0
-    engine.lookup_unpin("req-1")  # what wait_for_save does at the end of that step
+    engine.release_reservation("req-1")  # what wait_for_save does at the end of that step
     deadline = time.monotonic() + 5
     while engine.stats_monitor.get_stats().lookup_requests < 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # the worker's lookup finishes once the remote call times out
     time.sleep(0.1)
-    assert engine.storage_manager.cpu.num_pinned == 0, "pins taken by a lookup released before it ended"
-    assert engine.pins.num_pins == 0
+    assert engine.storage_manager.cpu.num_held == 0, "holds taken by a lookup released before it ended"
+    assert engine.reservations.num_held == 0
 
 
 def test_lease_bounds_a_pin_nobody_releases(closing):
-    engine = _engine(closing, max_chunks=2, pin_lease_secs=0.3)
+    engine = _engine(closing, max_chunks=2, reservation_lease_secs=0.3)
     caches = _caches()
     a, b, c = _prompt(1, 1), _prompt(1, 2), _prompt(1, 3)
     for p in (a, b):
         engine.store(p, kvcaches=caches, slot_mapping=_slots(CHUNK))
-    assert engine.lookup(a, pin=True, lookup_id="aborted-1") == CHUNK
-    assert engine.lookup(b, pin=True, lookup_id="aborted-2") == CHUNK
-    assert engine.store(c, kvcaches=caches, slot_mapping=_slots(CHUNK)) == 0, "a tier full of pins refuses"
+    assert engine.lookup(a, reserve=True, lookup_id="aborted-1") == CHUNK
+    assert engine.lookup(b, reserve=True, lookup_id="aborted-2") == CHUNK
+    assert engine.store(c, kvcaches=caches, slot_mapping=_slots(CHUNK)) == 0, "a tier full of holds refuses"
     time.sleep(0.35)
     assert engine.store(c, kvcaches=caches, slot_mapping=_slots(CHUNK)) == CHUNK, "expired leases free the tier"
-    assert engine.pins.expired_leases == 2 and engine.storage_manager.cpu.num_pinned == 0
+    assert engine.reservations.expired_leases == 2 and engine.storage_manager.cpu.num_held == 0
 
 
 def test_release_before_the_lookup_begins_pins_nothing(closing):
     engine = _engine(closing)
     prompt = _prompt(2, 1)
     engine.store(prompt, kvcaches=_caches(), slot_mapping=_slots(len(prompt)))
-    engine.lookup_unpin("late")  # the step ended before the lookup server even read the request
-    assert engine.lookup(prompt, pin=True, lookup_id="late") == len(prompt)
-    assert engine.storage_manager.cpu.num_pinned == 0
-    assert engine.lookup(prompt, pin=True, lookup_id="late") == len(prompt), "the tombstone is used once"
-    assert engine.storage_manager.cpu.num_pinned == 2
-    engine.lookup_unpin("late")
-    assert engine.storage_manager.cpu.num_pinned == 0
+    engine.release_reservation("late")  # the step ended before the lookup server even read the request
+    assert engine.lookup(prompt, reserve=True, lookup_id="late") == len(prompt)
+    assert engine.storage_manager.cpu.num_held == 0
+    assert engine.lookup(prompt, reserve=True, lookup_id="late") == len(prompt), "the tombstone is used once"
+    assert engine.storage_manager.cpu.num_held == 2
+    engine.release_reservation("late")
+    assert engine.storage_manager.cpu.num_held == 0
 
 
 def test_hundred_timed_out_lookups_leave_the_tier_storing(closing, hung):
     engine = _engine(closing, max_chunks=8, remote_url=f"lm://127.0.0.1:{hung.port}", blocking_timeout_secs=5,
-                     pin_lease_secs=60)
+                     reservation_lease_secs=60)
     caches = _caches()
     cached = _prompt(1, 99)
     engine.store(cached, kvcaches=caches, slot_mapping=_slots(CHUNK))
@@ -149,10 +149,10 @@ def test_hundred_timed_out_lookups_leave_the_tier_storing(closing, hung):
     client = LookupClient(eid, 1, timeout_ms=20)
     closing.append(client)
     for i in range(100):
-        # each prompt starts with the cached chunk (pinned), then asks the hung remote for more
+        # each prompt starts with the cached chunk (held), then asks the hung remote for more
         prompt = torch.cat([cached, _prompt(2, 1000 + i)])
         assert client.lookup(prompt.tolist(), f"r{i}") == 0
-        engine.lookup_unpin(f"r{i}")
+        engine.release_reservation(f"r{i}")
     t0 = time.monotonic()
     for i in range(8):
         assert engine.store(_prompt(1, 5000 + i), kvcaches=caches, slot_mapping=_slots(CHUNK)) == CHUNK
@@ -262,7 +262,7 @@ def test_write_through_object_cannot_be_evicted_between_insert_and_pin(tmp_path)
 
 
 def test_threaded_stress_zero_wrong_bytes(tmp_path):
-    """Store, pinned lookup, retrieve, eviction and write-through to disk from several threads for
+    """Store, held lookup, retrieve, eviction and write-through to disk from several threads for
     a bounded time: every chunk read back holds exactly the bytes stored under its key."""
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=12 * 8704 / 2**30,
                                                local_disk=str(tmp_path), max_local_disk_size=0.0005)
@@ -296,9 +296,9 @@ def test_threaded_stress_zero_wrong_bytes(tmp_path):
         while time.monotonic() < stop:
             i = rnd.randrange(len(keys))
             if rnd.random() < 0.5:
-                pinned: list = []
-                m.batched_contains([keys[i]], pinned=pinned)
-                got = pinned
+                held: list = []
+                m.batched_contains([keys[i]], held=held)
+                got = held
             else:
                 obj = m.get(keys[i])
                 got = [] if obj is None else [(keys[i], obj)]
@@ -323,7 +323,7 @@ def test_threaded_stress_zero_wrong_bytes(tmp_path):
         m.flush(10)
         assert not errors, errors
         assert reads[0] > 50 and not wrong, f"{len(wrong)} wrong chunks in {reads[0]} reads"
-        assert m.cpu.num_pinned == 0
+        assert m.cpu.num_held == 0
         held = sum(o.nbytes for o in m.cpu._objs.values())
         assert m.cpu.used_bytes == held, "the pool's books match what the tier holds"
     finally:
@@ -346,7 +346,7 @@ def test_verify_removes_a_chunk_that_differs_from_the_computed_kv(closing, layer
     assert engine.verify(prompt, kvcaches=lying, slot_mapping=slots) == (2, 2)
     assert engine.lookup(prompt) == 0, "mismatching chunks are gone from every tier"
     assert engine.get_stats().verify_mismatches == 2
-    assert engine.storage_manager.cpu.num_pinned == 0
+    assert engine.storage_manager.cpu.num_held == 0
 
 
 # ---- why a miss -------------------------------------------------------------------------------
@@ -365,9 +365,9 @@ def test_misses_are_counted_by_reason(closing, tmp_path):
         small.store(_prompt(1, s), kvcaches=caches, slot_mapping=_slots(CHUNK))
     small.lookup(evicted)
     assert small.get_stats().miss_tokens == {"evicted": CHUNK}
-    # refused: a tier full of pinned chunks
-    small.lookup(_prompt(1, 3), pin=True, lookup_id="x")
-    small.lookup(_prompt(1, 4), pin=True, lookup_id="y")
+    # refused: a tier full of held chunks
+    small.lookup(_prompt(1, 3), reserve=True, lookup_id="x")
+    small.lookup(_prompt(1, 4), reserve=True, lookup_id="y")
     refused = _prompt(1, 5)
     assert small.store(refused, kvcaches=caches, slot_mapping=_slots(CHUNK)) == 0
     small.lookup(refused)
@@ -381,9 +381,9 @@ def test_misses_are_counted_by_reason(closing, tmp_path):
         data = bytearray(f.read_bytes())
         data[-3] ^= 0xFF
         f.write_bytes(bytes(data))
-    # the lookup server's pinned lookup reads (and checks) what it promotes
-    assert engine.lookup(stored, pin=True, lookup_id="c") == 0
-    engine.lookup_unpin("c")
+    # the lookup server's held lookup reads (and checks) what it promotes
+    assert engine.lookup(stored, reserve=True, lookup_id="c") == 0
+    engine.release_reservation("c")
     assert engine.get_stats().miss_tokens["checksum_or_format"] == CHUNK
 
 

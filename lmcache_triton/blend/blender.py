@@ -107,7 +107,7 @@ class RetrieverKVSource:
         paged_scatter_layer(kv.permute(1, 0, 2), self.kvcaches[layer], self.slot_mapping, self.connector.layout)
 
     def finish(self) -> None:
-        """Drains the retriever: releases the storage pins and records the hit in the stats."""
+        """Drains the retriever: releases the storage holds and records the hit in the stats."""
         for out in self._retriever:
             if out is not None:
                 self.ret_mask = out

@@ -18,7 +18,7 @@ from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, VLLMPaged
 from lmcache_triton.storage.memory import MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability.stats import LMCStatsMonitor
-from lmcache_triton.engine.reservations import LookupPins
+from lmcache_triton.engine.reservations import LookupReservations
 from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
 from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
 
@@ -93,7 +93,7 @@ class LMCacheEngine:
         self.key_rotation: Callable[[torch.Tensor, int], None] | None = None
         self.storage_manager = storage_manager or StorageManager(config, metadata)
         self.stats_monitor = LMCStatsMonitor(labels=(metadata.model_name, str(metadata.worker_id)))
-        self.pins = LookupPins(self.storage_manager.release, config.pin_lease_secs)
+        self.reservations = LookupReservations(self.storage_manager.release, config.reservation_lease_secs)
         self._verify_logged: set[CacheEngineKey] = set()
         metrics.track(self)
         if config.prometheus_port is not None:
@@ -124,7 +124,7 @@ class LMCacheEngine:
     def _allocate(self, num_tokens: int) -> MemoryObj | None:
         obj = self.storage_manager.allocate(self.gpu_connector.get_shape(num_tokens), self.metadata.kv_dtype,
                                             self.gpu_connector.fmt)
-        if obj is None and self.pins.reap():  # expired lookup pins may be what fills the tier
+        if obj is None and self.reservations.reap():  # expired lookup holds may be what fills the tier
             obj = self.storage_manager.allocate(self.gpu_connector.get_shape(num_tokens), self.metadata.kv_dtype,
                                                 self.gpu_connector.fmt)
         return obj
@@ -149,7 +149,7 @@ class LMCacheEngine:
                 if already:
                     continue
                 obj = self._allocate(end - start)
-                if obj is None:  # the tier is full of pinned chunks: later chunks are useless without this one
+                if obj is None:  # the tier is full of held chunks: later chunks are useless without this one
                     refusals += 1
                     self.storage_manager.note_miss(key, MISS_REFUSED)
                     break
@@ -198,22 +198,22 @@ class LMCacheEngine:
                                        time.perf_counter() - t0)
         return ret_mask
 
-    def lookup(self, tokens: Tokens, pin: bool = False, *, lookup_id: str | None = None, **kwargs: Any) -> int:
+    def lookup(self, tokens: Tokens, reserve: bool = False, *, lookup_id: str | None = None, **kwargs: Any) -> int:
         """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
-        partial chunk). With `pin`, the chunks it reports stay in the CPU tier until
-        `lookup_unpin(lookup_id)`, or at most `pin_lease_secs`, so the load that follows finds them.
+        partial chunk). With `reserve`, the chunks it reports stay in the CPU tier until
+        `release_reservation(lookup_id)`, or at most `reservation_lease_secs`, so the load that follows finds them.
         Missed tokens are counted by why they missed."""
         t0 = time.perf_counter()
         hit = 0
-        lease = self.pins.begin(lookup_id or "") if pin else None
+        lease = self.reservations.begin(lookup_id or "") if reserve else None
         misses: Counter[str] = Counter()
         try:
             for start, end, key in self._chunks(tokens, None, kwargs):
                 keys = self._object_keys(key)
-                pinned: list | None = [] if lease is not None else None
-                n = self.storage_manager.batched_contains(keys, pinned=pinned)
-                if lease is not None and not self.pins.add(lease, pinned):
-                    lease = None  # released (timed out, aborted) while we looked: stop pinning
+                held: list | None = [] if lease is not None else None
+                n = self.storage_manager.batched_contains(keys, held=held)
+                if lease is not None and not self.reservations.add(lease, held):
+                    lease = None  # released (timed out, aborted) while we looked: stop holding
                 if n < len(keys):
                     reason = self.storage_manager.miss_reason(keys[n])
                     if self.prefix_chain:
@@ -224,7 +224,7 @@ class LMCacheEngine:
                 hit = end if self.prefix_chain else hit + (end - start)
         finally:
             if lease is not None:
-                self.pins.end(lease)
+                self.reservations.end(lease)
         if self.prefix_chain:  # the tail of a partial chunk (save_unfull_chunk off) is never stored
             misses[MISS_PARTIAL] += len(tokens) - self._chunk_end(tokens)
         else:  # separators and segments too short to cache
@@ -236,9 +236,9 @@ class LMCacheEngine:
         bounds = self.token_database.chunk_bounds(len(tokens))
         return bounds[-1][1] if bounds else 0
 
-    def lookup_unpin(self, lookup_id: str | None = None) -> None:
-        """Releases the pins a `lookup(pin=True, lookup_id=...)` took, took meanwhile, or will take."""
-        self.pins.release(lookup_id or "")
+    def release_reservation(self, lookup_id: str | None = None) -> None:
+        """Releases the holds a `lookup(reserve=True, lookup_id=...)` took, took meanwhile, or will take."""
+        self.reservations.release(lookup_id or "")
 
     # ---- verified hits -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -383,7 +383,7 @@ class LMCacheEngine:
                 next(mover)  # the connector orders vLLM's stream after this layer's copy
                 yield None
         finally:
-            # The copies read the objects until they land: one wait, then release every pin (also
+            # The copies read the objects until they land: one wait, then release every hold (also
             # when the generator is closed early or fails).
             _sync(kwargs.get("kvcaches"))
             for layer in range(num_layers):
@@ -399,7 +399,7 @@ class LMCacheEngine:
         return self.stats_monitor.get_stats()
 
     def close(self) -> None:
-        self.pins.release_everything()
+        self.reservations.release_everything()
         self.storage_manager.close()
 
 

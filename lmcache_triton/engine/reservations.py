@@ -1,15 +1,15 @@
-"""Lookup pins under leases: chunks a lookup reported stay in the CPU tier until the load that
+"""Lookup reservations: the chunks a lookup reported stay held in the CPU tier until the load that
 follows, and never longer than a lease.
 
-A lookup (on the worker's lookup-server thread) pins the chunks it reports; the worker releases
+A lookup (on the worker's lookup-server thread) holds the chunks it reports; the worker releases
 them by lookup id once the step that loads them is done. Those two events race: the scheduler's
 lookup may time out (`lookup_timeout_ms`) while the worker still waits on a slow disk or remote,
-and the step's release then arrives before the lookup has pinned anything. So:
-- pins are recorded as they are taken, not when the lookup ends;
-- a release during a lookup cancels it: what it pinned so far is released now, what it pins later
+and the step's release then arrives before the lookup has held anything. So:
+- holds are recorded as they are taken, not when the lookup ends;
+- a release during a lookup cancels it: what it held so far is released now, what it holds later
   is released at once;
-- a release before the lookup began leaves a tombstone, so the late lookup pins nothing;
-- every lease expires after `lease_s` (config `pin_lease_secs`), whatever happened to the request
+- a release before the lookup began leaves a tombstone, so the late lookup holds nothing;
+- every lease expires after `lease_s` (config `reservation_lease_secs`), whatever happened to the request
   (aborted, preempted, never scheduled); expiries are counted.
 """
 
@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 from lmcache_triton.storage.memory import MemoryObj
 from lmcache_triton.engine.token_database import CacheEngineKey
 
-Pin = tuple[CacheEngineKey, MemoryObj]
+Hold = tuple[CacheEngineKey, MemoryObj]
 
 
 @dataclass
 class Lease:
     lookup_id: str
     deadline: float
-    pins: list[Pin] = field(default_factory=list)
+    holds: list[Hold] = field(default_factory=list)
     active_lookups: int = 0
     cancelled: bool = False
 
 
-class LookupPins:
+class LookupReservations:
     def __init__(self, release: Callable[[CacheEngineKey, MemoryObj], None], lease_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._release = release
@@ -48,7 +48,7 @@ class LookupPins:
         self.cancelled_lookups = 0
 
     def begin(self, lookup_id: str) -> Lease | None:
-        """A lookup starts pinning for `lookup_id`; None when it was already released (pin nothing)."""
+        """A lookup starts holding for `lookup_id`; None when it was already released (hold nothing)."""
         self.reap()
         with self._lock:
             if self._tombstones.pop(lookup_id, None) is not None:
@@ -62,15 +62,15 @@ class LookupPins:
             lease.active_lookups += 1
             return lease
 
-    def add(self, lease: Lease, pins: Iterable[Pin]) -> bool:
-        """Records pins just taken; False (and they are released now) when the lease is over."""
-        pins = list(pins)
+    def add(self, lease: Lease, holds: Iterable[Hold]) -> bool:
+        """Records holds just taken; False (and they are released now) when the lease is over."""
+        holds = list(holds)
         with self._lock:
             live = not lease.cancelled and self._leases.get(lease.lookup_id) is lease
             if live:
-                lease.pins.extend(pins)
+                lease.holds.extend(holds)
         if not live:
-            self._release_all(pins)
+            self._release_all(holds)
         return live
 
     def end(self, lease: Lease) -> None:
@@ -78,7 +78,7 @@ class LookupPins:
             lease.active_lookups -= 1
 
     def release(self, lookup_id: str) -> None:
-        """The load for `lookup_id` is done (or will never come): release its pins."""
+        """The load for `lookup_id` is done (or will never come): release its holds."""
         with self._lock:
             lease = self._leases.pop(lookup_id, None)
             if lease is None:
@@ -87,41 +87,41 @@ class LookupPins:
             if lease.active_lookups:
                 lease.cancelled = True
                 self.cancelled_lookups += 1
-            pins, lease.pins = lease.pins, []
-        self._release_all(pins)
+            holds, lease.holds = lease.holds, []
+        self._release_all(holds)
 
     def reap(self) -> int:
-        """Releases the pins of every expired lease; returns how many leases expired now."""
+        """Releases the holds of every expired lease; returns how many leases expired now."""
         now = self._clock()
         with self._lock:
             expired = [lease for lease in self._leases.values() if lease.deadline <= now]
             for lease in expired:
                 del self._leases[lease.lookup_id]
                 lease.cancelled = True
-            self.expired_leases += sum(1 for lease in expired if lease.pins)
-            pins = [p for lease in expired for p in lease.pins]
+            self.expired_leases += sum(1 for lease in expired if lease.holds)
+            holds = [p for lease in expired for p in lease.holds]
             for lease in expired:
-                lease.pins = []
+                lease.holds = []
             for lookup_id in [i for i, t in self._tombstones.items() if t <= now]:
                 del self._tombstones[lookup_id]
-        self._release_all(pins)
+        self._release_all(holds)
         return len(expired)
 
     def release_everything(self) -> None:
         with self._lock:
-            pins = [p for lease in self._leases.values() for p in lease.pins]
+            holds = [p for lease in self._leases.values() for p in lease.holds]
             for lease in self._leases.values():
                 lease.cancelled = True
-                lease.pins = []
+                lease.holds = []
             self._leases.clear()
             self._tombstones.clear()
-        self._release_all(pins)
+        self._release_all(holds)
 
     @property
-    def num_pins(self) -> int:
+    def num_held(self) -> int:
         with self._lock:
-            return sum(len(lease.pins) for lease in self._leases.values())
+            return sum(len(lease.holds) for lease in self._leases.values())
 
-    def _release_all(self, pins: Iterable[Pin]) -> None:
-        for key, obj in pins:
+    def _release_all(self, holds: Iterable[Hold]) -> None:
+        for key, obj in holds:
             self._release(key, obj)

@@ -173,7 +173,7 @@ def _layer_offsets(layers: Layers) -> torch.Tensor:
 def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> None:
     if t.device == layers.device:
         return
-    if layers.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
+    if layers.device.type == "cuda" and t.device.type == "cpu" and t.is_held():
         return  # the kernel reads/writes pinned host memory directly via UVA
     raise ValueError(f"{name} is on {t.device}, the cache on {layers.device}: {name} must be on the "
                      f"cache device or (for a CUDA cache) in pinned host memory")

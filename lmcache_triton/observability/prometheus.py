@@ -83,7 +83,7 @@ _COUNTERS = {  # stats field -> (metric name without _total, help)
     "store_requests": ("store_requests", "Store calls"),
     "stored_tokens": ("stored_tokens", "Tokens stored (chunks already cached are not counted again)"),
     "stored_bytes": ("stored_bytes", "KV bytes stored"),
-    "store_refusals": ("store_refused_chunks", "Chunks not stored because the CPU tier was full of pinned chunks"),
+    "store_refusals": ("store_refused_chunks", "Chunks not stored because the CPU tier was full of held chunks"),
     "verify_checked": ("verify_checked", "Hit chunks compared with the KV the model recomputed (verify_hit_rate)"),
     "verify_mismatches": ("verify_mismatch", "Stored chunks that differed from the recomputed KV (removed)"),
 }
@@ -114,21 +114,21 @@ class _EngineCollector:
                                            labels=_LABELS)
         usage = GaugeMetricFamily("lmcache_triton_usage_bytes", "Bytes held per tier", labels=tier)
         capacity = GaugeMetricFamily("lmcache_triton_capacity_bytes", "Capacity per tier", labels=tier)
-        pinned = GaugeMetricFamily("lmcache_triton_pinned_chunks", "Chunks pinned in the CPU tier", labels=_LABELS)
+        held = GaugeMetricFamily("lmcache_triton_held_chunks", "Chunks held in the CPU tier", labels=_LABELS)
         misses = CounterMetricFamily("lmcache_triton_miss_tokens", "Tokens lookups did not find, by why",
                                      labels=(*_LABELS, "reason"))
-        expired = CounterMetricFamily("lmcache_triton_expired_pin_leases",
-                                      "Lookup pins released by their lease, not by a load (pin_lease_secs)",
+        expired = CounterMetricFamily("lmcache_triton_expired_reservations",
+                                      "Lookup holds released by their lease, not by a load (reservation_lease_secs)",
                                       labels=_LABELS)
         with _lock:
             engines = list(_engines)
         for engine in engines:
             labels = [engine.metadata.model_name, str(engine.metadata.worker_id)]
-            engine.pins.reap()  # a lease past its bound shows as released, not as a pin
+            engine.reservations.reap()  # a lease past its bound shows as released, not as a hold
             stats = engine.get_stats()
             for reason, n in sorted(stats.miss_tokens.items()):
                 misses.add_metric([*labels, reason], n)
-            expired.add_metric(labels, engine.pins.expired_leases)
+            expired.add_metric(labels, engine.reservations.expired_leases)
             for f, family in counters.items():
                 family.add_metric(labels, getattr(stats, f))
             lookup_ratio.add_metric(labels, _ratio(stats.lookup_hit_tokens, stats.lookup_tokens))
@@ -142,10 +142,10 @@ class _EngineCollector:
                     checksum.add_metric(tl, u.get("corrupt", 0))
                     remote_errors.add_metric(tl, u.get("errors", 0) + u.get("io_errors", 0))
                 else:
-                    pinned.add_metric(labels, u.get("pinned_chunks", 0))
+                    held.add_metric(labels, u.get("held_chunks", 0))
         yield from counters.values()
         yield from (misses, evictions, remote_errors, checksum, expired, lookup_ratio, retrieve_ratio, usage,
-                    capacity, pinned)
+                    capacity, held)
 
 
 def scrape_engine_stats(url: str, timeout: float = 5.0) -> dict[str, dict]:

@@ -38,7 +38,7 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
-        """Stores `obj.tensor` under `key`, synchronously; the caller keeps `obj` pinned meanwhile.
+        """Stores `obj.tensor` under `key`, synchronously; the caller keeps `obj` held meanwhile.
 
         False on failure (logged once per kind, counted); never raises for I/O problems.
         """

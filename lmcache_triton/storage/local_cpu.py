@@ -1,4 +1,4 @@
-"""The CPU tier: chunks in a bounded pinned pool, evicted least-recently-used first."""
+"""The CPU tier: chunks in a bounded pool (page-locked where CUDA exists), evicted least-recently-used first."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ logger = logging.getLogger("lmcache_triton")
 class LocalCPUBackend:
     """LRU map key -> MemoryObj over a TensorMemoryPool of `size_bytes`.
 
-    A pinned object (being read, written through, or reported by a lookup that a load will
-    follow) is never evicted. Pins are taken by `get` (or by `put(pins=n)`) and released through
+    A held object (being read, written through, or reported by a lookup that a load will
+    follow) is never evicted. Pins are taken by `get` (or by `put(holds=n)`) and released through
     the object (`StorageManager.release`), never by key: a key may be removed or replaced meanwhile.
-    When every object is pinned and the pool is full, `allocate` refuses (returns None): the caller
+    When every object is held and the pool is full, `allocate` refuses (returns None): the caller
     skips storing that chunk, which costs a future miss, never an OOM.
     """
 
@@ -42,13 +42,13 @@ class LocalCPUBackend:
             return key in self._objs
 
     def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        """The object, pinned for the caller (who must `unpin()` it), and marked recently used."""
+        """The object, held for the caller (who must `unpin()` it), and marked recently used."""
         with self._lock:
             obj = self._objs.get(key)
             if obj is None:
                 return None
             self._objs.move_to_end(key)
-            obj.pin()
+            obj.hold()
             return obj
 
     def holds(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
@@ -72,9 +72,9 @@ class LocalCPUBackend:
         return self.pool.capacity
 
     @property
-    def num_pinned(self) -> int:
+    def num_held(self) -> int:
         with self._lock:
-            return sum(obj.is_pinned for obj in self._objs.values())
+            return sum(obj.is_held for obj in self._objs.values())
 
     # ---- writes --------------------------------------------------------------------------------
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
@@ -86,47 +86,47 @@ class LocalCPUBackend:
             while (obj := self.pool.allocate(shape, dtype, fmt)) is None:
                 if not self._evict_one():
                     self.num_refusals += 1
-                    logger.debug("CPU tier full and every chunk pinned: refusing %s bytes", shape)
+                    logger.debug("CPU tier full and every chunk held: refusing %s bytes", shape)
                     return None
             return obj
 
-    def put(self, key: CacheEngineKey, obj: MemoryObj, pins: int = 0) -> bool:
-        """Takes ownership of `obj`, with `pins` pins already on it when another thread can first
-        see it (pinning after the insert would let an eviction in between free memory the caller
+    def put(self, key: CacheEngineKey, obj: MemoryObj, holds: int = 0) -> bool:
+        """Takes ownership of `obj`, with `holds` holds already on it when another thread can first
+        see it (holding after the insert would let an eviction in between free memory the caller
         is about to read). A key already present keeps its object; the new one is freed."""
         with self._lock:
             if key in self._objs:
                 self._objs.move_to_end(key)
                 obj.free()
                 return False
-            for _ in range(pins):
-                obj.pin()
+            for _ in range(holds):
+                obj.hold()
             self._objs[key] = obj
             return True
 
     def remove(self, key: CacheEngineKey) -> bool:
-        """Drops a key. A pinned object leaves the map now (no new reader finds it) and its memory
+        """Drops a key. A held object leaves the map now (no new reader finds it) and its memory
         goes back to the pool at its last release (`StorageManager.release` frees objects that no
         tier holds)."""
         with self._lock:
             obj = self._objs.pop(key, None)
             if obj is None:
                 return False
-            if not obj.is_pinned:
+            if not obj.is_held:
                 obj.free()
             return True
 
     def clear(self) -> int:
         """Drops every unpinned object; returns how many were dropped."""
         with self._lock:
-            dropped = [k for k, o in self._objs.items() if not o.is_pinned]
+            dropped = [k for k, o in self._objs.items() if not o.is_held]
             for k in dropped:
                 self._objs.pop(k).free()
             return len(dropped)
 
     def _evict_one(self) -> bool:
         for key, obj in self._objs.items():  # oldest first
-            if not obj.is_pinned:
+            if not obj.is_held:
                 del self._objs[key]
                 obj.free()
                 self.num_evictions += 1

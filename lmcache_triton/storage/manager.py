@@ -3,7 +3,7 @@
 Tiers, first to last: the CPU tier (LocalCPUBackend) -> the local disk (`local_disk`) -> the remote
 (`remote_url`). Write policy: a chunk goes into the CPU tier at once and is written through to every
 lower tier by a small thread pool, so `store` never waits on a disk or a network; the chunk stays
-pinned (not evictable) until those writes finish. Reads take the first tier that has the chunk and
+held (not evictable) until those writes finish. Reads take the first tier that has the chunk and
 promote lower-tier hits into the CPU tier. With `local_cpu: false` the CPU pool only stages chunks
 on their way down and up; nothing stays in it.
 """
@@ -72,7 +72,7 @@ class StorageManager:
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-write") if self.tiers else None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
-        # With local_cpu off, chunks a pinned lookup read from a lower tier wait here for the load
+        # With local_cpu off, chunks a held lookup read from a lower tier wait here for the load
         # (which then reads memory, not the disk or network again), until their last release.
         self._staged: dict[CacheEngineKey, MemoryObj] = {}
         self._staged_lock = threading.Lock()
@@ -141,21 +141,21 @@ class StorageManager:
                 found[i] = hit
         return found
 
-    def batched_contains(self, keys: Sequence[CacheEngineKey], pinned: list | None = None) -> int:
+    def batched_contains(self, keys: Sequence[CacheEngineKey], held: list | None = None) -> int:
         """How many of `keys`, from the first, are present in some tier (a prefix count).
 
-        With `pinned` (a list), every counted chunk is pinned in the CPU tier (lower-tier hits are
+        With `held` (a list), every counted chunk is held in the CPU tier (lower-tier hits are
         promoted into it first, the prefetch path) and appended to it as (key, obj) as soon as it
         is: the caller `release`s each. The first missing key's reason is noted for the metrics."""
         n = 0
         for key in keys:
-            if pinned is None:
+            if held is None:
                 hit = self.cpu.contains(key)
             else:
                 obj = self.cpu.get(key)
                 hit = obj is not None
                 if hit:
-                    pinned.append((key, obj))
+                    held.append((key, obj))
             if not hit:
                 break
             n += 1
@@ -168,20 +168,20 @@ class StorageManager:
                 if unreachable:
                     self.note_miss(key, MISS_REMOTE)
                 break
-            if pinned is not None:
-                obj = self.get(key)  # promoted and pinned; stays pinned for the caller's load
+            if held is not None:
+                obj = self.get(key)  # promoted and held; stays held for the caller's load
                 if obj is None:  # listed, but unreadable or failing its checks
                     self.note_miss(key, MISS_CORRUPT)
                     break
                 if not self.cpu.holds(key, obj):  # local_cpu off: staged for the load, freed at release
                     with self._staged_lock:
                         self._staged.setdefault(key, obj)
-                pinned.append((key, obj))
+                held.append((key, obj))
             n += 1
         return n
 
     def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        """The chunk, pinned for the caller, from the first tier that has it; `release` it when done."""
+        """The chunk, held for the caller, from the first tier that has it; `release` it when done."""
         obj = self.get_in_memory(key)
         if obj is not None:
             return obj
@@ -193,35 +193,35 @@ class StorageManager:
                     self.note_miss(key, MISS_CORRUPT)
                 continue
             if not self.config.local_cpu:
-                obj.pin()  # in no tier: nobody else can see it yet
+                obj.hold()  # in no tier: nobody else can see it yet
                 return obj
-            if not self.cpu.put(key, obj, pins=1):  # pinned before other threads can evict it
+            if not self.cpu.put(key, obj, holds=1):  # held before other threads can evict it
                 return self.cpu.get(key)  # another thread promoted it first; ours was freed
             return obj
         return None
 
     def get_in_memory(self, key: CacheEngineKey) -> MemoryObj | None:
-        """`get` without I/O: the CPU tier, or a chunk a pinned lookup staged (with local_cpu off)."""
+        """`get` without I/O: the CPU tier, or a chunk a held lookup staged (with local_cpu off)."""
         obj = self.cpu.get(key)
         if obj is not None:
             return obj
         with self._staged_lock:
             obj = self._staged.get(key)
             if obj is not None:
-                obj.pin()
+                obj.hold()
             return obj
 
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         return [self.get(k) for k in keys]
 
     def release(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        """Ends a use begun by `get` (or a pin of `batched_contains`, or a write-through): unpins,
+        """Ends a use begun by `get` (or a hold of `batched_contains`, or a write-through): releases its holds,
         and frees objects that live in no tier (MemoryObj.free is idempotent: two last releases
         racing free once)."""
-        obj.unpin()
-        if not obj.is_pinned and not self.cpu.holds(key, obj):
+        obj.unhold()
+        if not obj.is_held and not self.cpu.holds(key, obj):
             with self._staged_lock:
-                if obj.is_pinned:  # get_in_memory took it again meanwhile
+                if obj.is_held:  # get_in_memory took it again meanwhile
                     return
                 if self._staged.get(key) is obj:
                     del self._staged[key]
@@ -231,15 +231,15 @@ class StorageManager:
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """Takes ownership of `obj`: into the CPU tier now, written through to lower tiers later.
 
-        Every write-through pin is on the object before any other thread can see it: an eviction
+        Every write-through hold is on the object before any other thread can see it: an eviction
         in between would free memory that a writer has yet to read."""
         writes = len(self.tiers)
         if self.config.local_cpu:
-            if not self.cpu.put(key, obj, pins=writes):
+            if not self.cpu.put(key, obj, holds=writes):
                 return  # already stored; the duplicate was freed
         else:
             for _ in range(writes):
-                obj.pin()
+                obj.hold()
         for tier in self.tiers:
             future = self._writer.submit(self._write, tier, key, obj)
             with self._pending_lock:
@@ -251,7 +251,7 @@ class StorageManager:
     def _write(self, tier, key: CacheEngineKey, obj: MemoryObj) -> None:
         try:
             tier.put(key, obj)
-        except Exception:  # a backend bug must not kill the writer thread or leak the pin
+        except Exception:  # a backend bug must not kill the writer thread or leak the hold
             logger.exception("lmcache_triton: write of %s to %s failed", key, tier.name)
         finally:
             self.release(key, obj)
@@ -271,7 +271,7 @@ class StorageManager:
         wait(pending, timeout=timeout)
 
     def remove(self, key: CacheEngineKey) -> bool:
-        """Drops `key` from every tier (a pinned CPU object is freed at its last release)."""
+        """Drops `key` from every tier (a held CPU object is freed at its last release)."""
         removed = self.cpu.remove(key)
         for tier in self.tiers:
             removed = tier.remove(key) or removed
@@ -287,7 +287,7 @@ class StorageManager:
                 "used_bytes": self.cpu.used_bytes,
                 "capacity_bytes": self.cpu.capacity_bytes,
                 "chunks": len(self.cpu),
-                "pinned_chunks": self.cpu.num_pinned,
+                "held_chunks": self.cpu.num_held,
                 "evictions": self.cpu.num_evictions,
                 "refusals": self.cpu.num_refusals,
             }

@@ -80,9 +80,9 @@ class MemoryFormat(str, Enum):
 
 
 class MemoryObj:
-    """A chunk tensor carved out of a pool, with a pin count that blocks eviction while it is read."""
+    """A chunk tensor carved out of a pool, with a hold count that blocks eviction while it is read."""
 
-    __slots__ = ("tensor", "fmt", "_pool", "_offset", "_nbytes", "_pins", "_lock")
+    __slots__ = ("tensor", "fmt", "_pool", "_offset", "_nbytes", "_holds", "_lock")
 
     def __init__(self, tensor: torch.Tensor, fmt: MemoryFormat, pool: TensorMemoryPool | None = None,
                  offset: int = 0, nbytes: int | None = None) -> None:
@@ -91,7 +91,7 @@ class MemoryObj:
         self._pool = pool
         self._offset = offset
         self._nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
-        self._pins = 0
+        self._holds = 0
         self._lock = threading.Lock()
 
     @property
@@ -111,19 +111,19 @@ class MemoryObj:
         """Bytes this object holds in its pool (its tensor, rounded up to the pool's alignment)."""
         return self._nbytes
 
-    def pin(self) -> None:
+    def hold(self) -> None:
         with self._lock:
-            self._pins += 1
+            self._holds += 1
 
-    def unpin(self) -> None:
+    def unhold(self) -> None:
         with self._lock:
-            if self._pins <= 0:
-                raise RuntimeError("unpin() of a MemoryObj that is not pinned")
-            self._pins -= 1
+            if self._holds <= 0:
+                raise RuntimeError("unhold() of a MemoryObj that is not held")
+            self._holds -= 1
 
     @property
-    def is_pinned(self) -> bool:
-        return self._pins > 0
+    def is_held(self) -> bool:
+        return self._holds > 0
 
     def free(self) -> None:
         """Returns the bytes to the pool; the tensor must not be used afterwards.
@@ -136,7 +136,7 @@ class MemoryObj:
             pool._release(self._offset, self._nbytes)
 
     def __repr__(self) -> str:
-        return f"MemoryObj(fmt={self.fmt.value}, shape={tuple(self.shape)}, dtype={self.dtype}, pins={self._pins})"
+        return f"MemoryObj(fmt={self.fmt.value}, shape={tuple(self.shape)}, dtype={self.dtype}, holds={self._holds})"
 
 
 class TensorMemoryPool:

@@ -66,7 +66,7 @@ class StubEngine:
         self.calls.append(("verify", (list(tokens),), kw))
         return 1, 0
 
-    def lookup_unpin(self, req_id):
+    def release_reservation(self, req_id):
         self.unpinned.append(req_id)
         if req_id == "boom":
             raise RuntimeError("unpin blew up")

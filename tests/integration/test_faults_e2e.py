@@ -2,8 +2,8 @@
 
 Under every fault: greedy outputs identical to an uncached run of the same prompt, no generate step
 slower than blocking_timeout_secs + lookup_timeout_ms + STEP_MARGIN_S, no crash, and at the end the
-CPU tier's pinned chunks back to 0 (lmcache_triton_pinned_chunks, scraped from the connector's
-Prometheus endpoint once the pin lease, `pin_lease_secs` 2 s, has passed).
+CPU tier's held chunks back to 0 (lmcache_triton_held_chunks, scraped from the connector's
+Prometheus endpoint once the hold lease, `reservation_lease_secs` 2 s, has passed).
 
 Five vLLM engine starts, several faults per run:
   baseline  no connector: every prompt, uncached
@@ -49,7 +49,7 @@ HELPERS = Path(__file__).with_name("fault_servers.py")
 BLOCK_S = 5.0          # blocking_timeout_secs against the real cache server
 GARBAGE_BLOCK_S = 1.0  # ... and against the fake one
 LOOKUP_MS = 500        # lookup_timeout_ms
-LEASE_S = 2.0          # pin_lease_secs
+LEASE_S = 2.0          # reservation_lease_secs
 STEP_MARGIN_S = 5.0    # a 600-token prefill and 8 tokens take < 1.5 s here; the rest is slack for a noisy VM
 RUN_TIMEOUT_S = 240
 GARBAGE_MODES = ("random_bytes", "lying_ok", "bad_lengths", "wrong_request_id", "huge_frame")  # fault_servers.MODES
@@ -58,7 +58,7 @@ TMPFS_BYTES = 512 << 10  # three 128 KiB chunk files fit; the disk tier is told 
 # 600 tokens each: 2 whole chunks of 256 (saved) and a partial one (not saved).
 PROMPTS = {name: random_prompt(600, seed=seed) for seed, name in enumerate(
     ("A", "B", "C", "D", "E", "F", "G", "H1", "H2", "J1", "J2", "J3"), start=301)}
-# Share A's first chunk: a lookup pins it, then waits on the remote for the second.
+# Share A's first chunk: a lookup holds it, then waits on the remote for the second.
 PROMPTS |= {"AQ": PROMPTS["A"][:300] + random_prompt(300, seed=401),
             "AQ2": PROMPTS["A"][:300] + random_prompt(300, seed=402)}
 WHOLE = 512  # tokens in the whole chunks of each prompt
@@ -90,7 +90,7 @@ def _gen(name: str, *faults: str, label: str | None = None) -> dict:
 
 
 def _conn(**extra) -> dict:
-    base = {"max_local_cpu_size": 0.25, "lookup_timeout_ms": LOOKUP_MS, "pin_lease_secs": LEASE_S}
+    base = {"max_local_cpu_size": 0.25, "lookup_timeout_ms": LOOKUP_MS, "reservation_lease_secs": LEASE_S}
     return {f"lmcache.{k}": v for k, v in (base | extra).items()}
 
 
@@ -286,8 +286,8 @@ def remote_run(run_vllm, tiny_model, real_server, tmp_path_factory):
     steps += [
         _gen("A", label="A-warm"),
         {"sigstop_pid": pid},
-        # AQ's lookup pins A's first chunk (CPU tier), then waits BLOCK_S on the hung server for the
-        # second; the scheduler gives up after LOOKUP_MS and the pin must go all the same
+        # AQ's lookup holds A's first chunk (CPU tier), then waits BLOCK_S on the hung server for the
+        # second; the scheduler gives up after LOOKUP_MS and the hold must go all the same
         _gen("AQ", "hang", "lookup_timeout", label="AQ-hung"),
         _gen("H1", "hang", "lookup_timeout", label="H1-hung"),   # lookups queued behind AQ's
         _gen("H2", "hang", "lookup_timeout", label="H2-hung"),
@@ -347,7 +347,7 @@ def test_hung_server_lookup_timeouts_and_aborts(remote_run, baseline, real_serve
     assert got["C-after-abort"]["cached"] == WHOLE
     assert got["F-after-abort"]["cached"] in (0, 256, WHOLE)
     scrape = _scrape(result)
-    assert _metric(scrape, "lmcache_triton_pinned_chunks") == 0, "pins left after the lease"
+    assert _metric(scrape, "lmcache_triton_held_chunks") == 0, "holds left after the lease"
     assert _metric(scrape, "lmcache_triton_remote_errors_total", tier="CacheServerBackend") >= 1
     assert real_server.proc.poll() is None, "the cache server died after SIGCONT"
     _wait_health(real_server.port, real_server.proc, "cache server after SIGCONT", timeout_s=5)
@@ -402,7 +402,7 @@ def test_garbage_server_and_full_disk(run_vllm, tiny_model, baseline, tmp_path):
     assert [got[k]["cached"] for k in ("J1-cold", "J2-cold", "J3-cold")] == [0, 0, 0]
     assert [got[k]["cached"] for k in ("J1-again", "J2-again", "J3-again")] == [WHOLE] * 3, "the CPU tier still serves"
     scrape = _scrape(result)
-    assert _metric(scrape, "lmcache_triton_pinned_chunks") == 0, "pins left after the lease"
+    assert _metric(scrape, "lmcache_triton_held_chunks") == 0, "holds left after the lease"
     bad = (_metric(scrape, "lmcache_triton_remote_errors_total", tier="CacheServerBackend")
            + _metric(scrape, "lmcache_triton_checksum_failures_total", tier="CacheServerBackend"))
     assert bad >= 1, "the garbage was not counted"
@@ -470,7 +470,7 @@ def test_corrupt_files_slow_reader_and_killed_server(run_vllm, tiny_model, basel
     assert got["G-new"]["cached"] == 0 and got["G-again"]["cached"] == WHOLE, "new prompts are stored after the kill"
     assert got["B-again"]["cached"] == WHOLE
     scrape = _scrape(result)
-    assert _metric(scrape, "lmcache_triton_pinned_chunks") == 0, "pins left after the lease"
+    assert _metric(scrape, "lmcache_triton_held_chunks") == 0, "holds left after the lease"
     # A's 2 at the start (scan), B's 2 and C's 2 when read
     assert _metric(scrape, "lmcache_triton_checksum_failures_total", tier="LocalDiskBackend") >= 6
 
@@ -494,7 +494,7 @@ def test_lying_chunk_is_caught_by_verify(run_vllm, tiny_model, baseline, remote_
     _assert_clean(rows, got, bound)
     assert 1 <= mismatches <= len(lies), f"{mismatches} mismatches for {len(lies)} lying chunks (B is honest)"
     assert checked >= 2
-    assert _metric(scrape, "lmcache_triton_pinned_chunks") == 0, "pins left after the lease"
+    assert _metric(scrape, "lmcache_triton_held_chunks") == 0, "holds left after the lease"
     for f, lie in lies.items():  # removed: gone, or replaced by the KV vLLM computed
         if (disk / f).exists():
             tensor, _ = serde.deserialize((disk / f).read_bytes())

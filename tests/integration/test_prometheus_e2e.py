@@ -95,7 +95,7 @@ def test_prometheus_scrapes_vllm_and_promql_reads_what_the_requests_did(run_vllm
         p50, p99 = (v(f"histogram_quantile({q}, sum by (le) (rate(lmcache_triton_retrieve_seconds_bucket[5m])))")
                     for q in (0.5, 0.99))
         assert 0 < p50 <= p99 <= 5.0, (p50, p99)
-        assert v("sum(lmcache_triton_pinned_chunks)") == 0
+        assert v("sum(lmcache_triton_held_chunks)") == 0
         assert v("sum(lmcache_triton_verify_mismatch_total)") == 0
         # query_range, as the dashboard reads it: the counter climbs from 0 to every lookup
         series = prom.query_range("sum(lmcache_triton_lookup_requests_total)", times[0], at, 1)

@@ -49,23 +49,23 @@ def test_write_through_to_disk_and_found_by_a_new_manager(kv_metadata, make_chun
     assert first.batched_contains(list(keys)) == 3, "a put is visible in the CPU tier at once"
     first.flush(timeout=10)
     assert all(_disk(first).contains(k) for k in keys), "flush() waits for the write-through to disk"
-    assert first.cpu.num_pinned == 0, "finished writes leave nothing pinned"
+    assert first.cpu.num_held == 0, "finished writes leave nothing held"
 
     second = _manager(kv_metadata, disk=tmp_path)
     managers.append(second)
     assert len(second.cpu) == 0
     assert second.batched_contains(list(keys)) == 3
     assert second.contains_each(list(keys)) == [True] * 3
-    assert len(second.cpu) == 0, "contains without pin promotes nothing"
+    assert len(second.cpu) == 0, "contains without hold promotes nothing"
     obj = second.get(keys[1])
     assert obj is not None and torch.equal(obj.tensor.view(torch.uint8), expected[1].view(torch.uint8))
     assert second.cpu.holds(keys[1], obj), "a disk hit is promoted into the CPU tier"
     second.release(keys[1], obj)
-    assert second.cpu.contains(keys[1]) and not obj.is_pinned, "release keeps the promoted chunk resident"
+    assert second.cpu.contains(keys[1]) and not obj.is_held, "release keeps the promoted chunk resident"
     again = second.get(keys[1])
     assert again is obj, "the second get is served from the CPU tier"
     second.release(keys[1], again)
-    assert second.cpu.num_pinned == 0
+    assert second.cpu.num_held == 0
 
 
 def test_prefix_count_stops_at_the_first_missing_chunk(kv_metadata, make_chunk, managers, tmp_path):
@@ -100,14 +100,14 @@ def test_pinned_contains_promotes_disk_chunks_until_unpin(kv_metadata, make_chun
     first.flush(timeout=10)
     second = _manager(kv_metadata, disk=tmp_path)
     managers.append(second)
-    pinned: list = []
-    assert second.batched_contains(keys, pinned=pinned) == 3
-    assert [k for k, _ in pinned] == keys
-    assert len(second.cpu) == 3 and second.cpu.num_pinned == 3, "promoted and pinned for the coming load"
-    assert second.clear() == 0, "pinned chunks cannot be dropped"
-    for k, obj in pinned:
+    held: list = []
+    assert second.batched_contains(keys, held=held) == 3
+    assert [k for k, _ in held] == keys
+    assert len(second.cpu) == 3 and second.cpu.num_held == 3, "promoted and held for the coming load"
+    assert second.clear() == 0, "held chunks cannot be dropped"
+    for k, obj in held:
         second.release(k, obj)
-    assert second.cpu.num_pinned == 0
+    assert second.cpu.num_held == 0
     assert second.clear() == 3
 
 
@@ -158,11 +158,11 @@ def test_pinned_contains_without_local_cpu_leaks_nothing(kv_metadata, make_chunk
     managers.append(m)
     keys = [_put(m, make_chunk, seed)[0] for seed in range(3)]
     m.flush(timeout=10)
-    pinned: list = []
-    assert m.batched_contains(keys, pinned=pinned) == 3
-    for k, obj in pinned:
+    held: list = []
+    assert m.batched_contains(keys, held=held) == 3
+    for k, obj in held:
         m.release(k, obj)
-    assert m.cpu.used_bytes == 0, "with local_cpu off, a pinned lookup must not strand staged chunks in the pool"
+    assert m.cpu.used_bytes == 0, "with local_cpu off, a held lookup must not strand staged chunks in the pool"
 
 
 def test_without_local_cpu_the_load_after_a_pinned_lookup_reads_memory_not_the_disk(kv_metadata, make_chunk,
@@ -171,14 +171,14 @@ def test_without_local_cpu_the_load_after_a_pinned_lookup_reads_memory_not_the_d
     managers.append(m)
     puts = [_put(m, make_chunk, seed) for seed in range(2)]
     m.flush(timeout=10)
-    pinned: list = []
-    assert m.batched_contains([k for k, _ in puts], pinned=pinned) == 2
+    held: list = []
+    assert m.batched_contains([k for k, _ in puts], held=held) == 2
     for f in tmp_path.rglob("*.safetensors"):
         f.unlink()  # the disk is gone: the load must not need it
     for key, expected in puts:
         obj = m.get(key)
         assert obj is not None and torch.equal(obj.tensor, expected)
         m.release(key, obj)
-    for key, obj in pinned:
+    for key, obj in held:
         m.release(key, obj)
     assert m.cpu.used_bytes == 0 and m.get(puts[0][0]) is None

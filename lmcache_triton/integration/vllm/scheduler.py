@@ -206,7 +206,7 @@ class SchedulerSide:
         self.lookup_client.clear_lookup_status(req_id)
         self.load_specs.pop(req_id, None)
         if req_id in self.pending_lookups:
-            # Aborted while its lookup ran: the workers' pins for it are released with the next
+            # Aborted while its lookup ran: the workers' holds for it are released with the next
             # step's metadata (or, if no step comes, by their lease).
             self.pending_lookups.discard(req_id)
             if req_id not in self.lookups_in_step:

@@ -194,7 +194,7 @@ class ReqMeta:
 @dataclass
 class LMCacheConnectorMetadata(KVConnectorMetadata):
     """One scheduler step: what to load and save per request, and which requests were looked up
-    (their lookup pins are released by the workers once this step's loads are done)."""
+    (their lookup reservations are released by the workers once this step's loads are done)."""
 
     requests: list[ReqMeta] = field(default_factory=list)
     lookup_requests_in_step: list[str] = field(default_factory=list)

@@ -295,9 +295,9 @@ class WorkerSide:
             self.retrievers = []
             for req_id in meta.lookup_requests_in_step:
                 try:
-                    self.engine.lookup_unpin(req_id)
+                    self.engine.release_reservation(req_id)
                 except Exception:
-                    logger.exception("lmcache_triton: releasing the lookup pins of %s failed", req_id)
+                    logger.exception("lmcache_triton: releasing the lookup holds of %s failed", req_id)
 
     def _verify(self, req: ReqMeta) -> None:
         n = min(req.verify_tokens, len(req.token_ids), _valid_slots(req.slot_mapping))

@@ -17,8 +17,8 @@ logger = logging.getLogger("lmcache_triton")
 
 
 class LMCacheLookupServer:
-    """Answers each lookup in its own thread, in order. The chunks it reports stay pinned in the
-    CPU tier (under the lookup id) until the worker has loaded them and calls `lookup_unpin`."""
+    """Answers each lookup in its own thread, in order. The chunks it reports stay held in the
+    CPU tier (under the lookup id) until the worker has loaded them and calls `release_reservation`."""
 
     def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int) -> None:
         self.engine = engine
@@ -37,12 +37,12 @@ class LMCacheLookupServer:
         header, tokens, mm_spans = protocol.decode_request(frames)
         deadline = header.get("deadline")
         if deadline is not None and time.time() > float(deadline):
-            # The scheduler has given up on it (a miss there): running it would only pin chunks
+            # The scheduler has given up on it (a miss there): running it would only hold chunks
             # nobody loads and keep later lookups queued behind a slow remote.
             self.skipped_expired += 1
             return protocol.encode_reply(header["seq"], 0)
         try:
-            hit = self.engine.lookup(tokens, pin=True, lookup_id=header["id"], namespace=header.get("ns") or "",
+            hit = self.engine.lookup(tokens, reserve=True, lookup_id=header["id"], namespace=header.get("ns") or "",
                                      adapter=header.get("adapter") or "", mm_spans=mm_spans)
         except Exception:  # a failing lookup is a miss, never a dead server
             logger.exception("lmcache_triton lookup failed; answering 0")
