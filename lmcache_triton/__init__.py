@@ -19,7 +19,7 @@ _LAZY = {
     "LMCacheEngineBuilder": "lmcache_triton.engine.engine",
     "create_gpu_connector": "lmcache_triton.engine.gpu_connector",
     "ChunkedTokenDatabase": "lmcache_triton.engine.token_database",
-    "CacheEngineKey": "lmcache_triton.engine.token_database",
+    "CacheEngineKey": "lmcache_triton.keys",
     "MemoryFormat": "lmcache_triton.storage.memory",
     "MemoryObj": "lmcache_triton.storage.memory",
     "LMCStatsMonitor": "lmcache_triton.observability.stats",
@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
     from lmcache_triton.metadata import LMCacheEngineMetadata
     from lmcache_triton.observability.stats import LMCStatsMonitor
-    from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
+    from lmcache_triton.engine.token_database import ChunkedTokenDatabase
+    from lmcache_triton.keys import CacheEngineKey
 
 
 def __getattr__(name: str) -> Any:

@@ -5,27 +5,37 @@ The field names, meanings and (where LMCache has them) defaults follow LMCache's
 works here unchanged for the options this package implements. LMCache's other names are
 mapped, ignored with a warning that says why, or refused: see ``_LMCACHE_NAMES``.
 
-This module imports only the standard library and PyYAML, and does nothing at import.
+Each field is declared once, in the class body: its annotation is its type, and :func:`option`
+holds its default, its doc and the values it accepts. Coercion, the checks, the parsing of
+``LMCACHE_*`` variables, redaction and the field reference (:func:`reference`, in the README) are
+all derived from that declaration (``_FIELDS``). A config is frozen once built: change one with
+:meth:`LMCacheEngineConfig.replace`, which returns a new, validated config.
+
+This module imports only the standard library and PyYAML (no other module of this package: it is
+the lowest floor), and does nothing at import. The remote_url schemes (``REMOTE_SCHEMES``) and
+:func:`redact_url` live here too, and storage/ uses them.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
+import json
 import logging
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
 
 __all__ = [
-    "ConfigError", "LMCacheEngineConfig", "ENV_PREFIX", "CONFIG_FILE_ENV", "connector_overrides",
-    "reset_warnings",
+    "ConfigError", "LMCacheEngineConfig", "ENV_PREFIX", "CONFIG_FILE_ENV", "REMOTE_SCHEMES",
+    "connector_overrides", "option", "redact_url", "reference", "remote_url_forms", "reset_warnings",
 ]
 
 logger = logging.getLogger("lmcache_triton")
@@ -48,56 +58,124 @@ _NON_FIELD_ENV = frozenset(
 # the LMCache names of _LMCACHE_NAMES / _CONNECTOR_KEYS that are mapped or ignored.
 _warned_env: set[str] = set()
 
-REMOTE_SCHEMES = ("lm", "redis", "rediss", "valkey")
-REMOTE_SERDES = ("naive", "lz4")
+# The remote_url schemes, the one table: scheme -> the protocol its backend speaks. "lm" is the cache
+# server here; the others are served by storage/redis_backend.py, which hands redis-py the
+# protocol's scheme (valkey:// is redis://, valkeys:// is rediss://, TLS).
+REMOTE_SCHEMES: Mapping[str, str] = types.MappingProxyType(
+    {"lm": "lm", "redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+)
+# Substrings of names (extra_config keys, URL query parameters) whose values are redacted.
+_SECRET_WORDS = ("pass", "secret", "token", "credential", "auth")
 
 
 class ConfigError(ValueError):
     """An invalid configuration value, key, file or environment variable."""
 
 
+def remote_url_forms() -> str:
+    """The accepted remote_url forms, for messages and docs."""
+    return ", ".join(f"{s}://host:port" if p == "lm" else f"{s}://host:port[/db]" for s, p in REMOTE_SCHEMES.items())
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for logs, errors and stats: the password of its user info becomes ``***`` (the
+    user name stays); user info without a password (``scheme://TOKEN@host``, a token for some
+    services) becomes ``***`` whole; so do the values of query parameters named like secrets.
+    Plain string work, so a URL that ``urlsplit`` refuses is redacted all the same."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    userinfo, at, host = netloc.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if colon else f"***@{host}"
+    path, q, query = tail.partition("?")
+    if q:
+        query, hash_, fragment = query.partition("#")
+        params = []
+        for param in query.split("&"):
+            name, eq, _ = param.partition("=")
+            params.append(f"{name}=***" if eq and any(w in name.lower() for w in _SECRET_WORDS) else param)
+        tail = f"{path}?{'&'.join(params)}{hash_}{fragment}"
+    return f"{scheme}{sep}{netloc}{tail}"
+
+
+def _check_remote_url(url: str) -> None:
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"invalid value for 'remote_url': {why}; accepted forms: {remote_url_forms()}, "
+                           f"got {redact_url(url)!r}")
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if parts.scheme not in REMOTE_SCHEMES:
+        raise bad(f"unsupported scheme {parts.scheme!r}" if parts.scheme else "no scheme")
+    if not parts.hostname:
+        raise bad("missing host")
+    if REMOTE_SCHEMES[parts.scheme] == "lm":
+        if port is None:
+            raise bad("missing port")
+        if parts.path not in ("", "/"):
+            raise bad(f"{parts.scheme}:// URLs take no path")
+    else:
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise bad(f"the database must be a number, got {db!r}")
+    if parts.query or parts.fragment:
+        raise bad("no query or fragment allowed")
+
+
+def _redact_secret_keys(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: "***" if isinstance(k, str) and any(w in k.lower() for w in _SECRET_WORDS) else v
+            for k, v in mapping.items()}
+
+
+def _power_of_two(value: int) -> str | None:
+    if value <= 0 or value & (value - 1):
+        return "must be a positive power of two (e.g. 16, 64, 256, 512)"
+    return None
+
+
+def _disk_path(value: str) -> str:
+    """local_disk as a path: a ``file://`` URL is stored as its path (the same directory)."""
+    path = value[len("file://"):] if value.startswith("file://") else value
+    if "://" in path:
+        raise ConfigError(f"invalid value for 'local_disk': must be a directory path or a "
+                          f"'file:///path' URL, got {value!r}")
+    if not path.strip():
+        raise ConfigError(f"invalid value for 'local_disk': must be a non-empty directory path "
+                          f"('/path' or 'file:///path') or None, got {value!r}")
+    return path
+
+
 # ---------------------------------------------------------------------------------------
-# Field types. Kinds: int, float, bool, str, list[int], list[float], dict.
+# Declaring a field: option()
 # ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Spec:
-    kind: str
-    optional: bool = False
+def option(default: Any, doc: str, *, choices: tuple[Any, ...] = (), ge: float | None = None,
+           gt: float | None = None, le: float | None = None, nonempty: bool = False,
+           check: Callable[[Any], str | None] | None = None, normalize: Callable[[Any], Any] | None = None,
+           accepted: str = "", secret: bool = False, redact: Callable[[Any], Any] | None = None,
+           ours: bool = False) -> Any:
+    """A field of :class:`LMCacheEngineConfig`: its default, its doc, and the values it accepts.
 
-    def describe(self) -> str:
-        return f"{self.kind} or None" if self.optional else self.kind
-
-
-_SPECS: dict[str, _Spec] = {
-    "chunk_size": _Spec("int"),
-    "local_cpu": _Spec("bool"),
-    "max_local_cpu_size": _Spec("float"),
-    "local_disk": _Spec("str", optional=True),
-    "max_local_disk_size": _Spec("float"),
-    "remote_url": _Spec("str", optional=True),
-    "remote_serde": _Spec("str"),
-    "remote_auth_token": _Spec("str", optional=True),
-    "blocking_timeout_secs": _Spec("float"),
-    "use_layerwise": _Spec("bool"),
-    "enable_blending": _Spec("bool"),
-    "blend_recompute_ratios": _Spec("list[float]"),
-    "blend_check_layers": _Spec("list[int]"),
-    "blend_min_tokens": _Spec("int"),
-    "blend_special_str": _Spec("str"),
-    "save_decode_cache": _Spec("bool"),
-    "save_unfull_chunk": _Spec("bool"),
-    "enable_async_loading": _Spec("bool"),
-    "lookup_timeout_ms": _Spec("int"),
-    "prometheus_port": _Spec("int", optional=True),
-    "reservation_lease_secs": _Spec("float"),
-    "verify_hit_rate": _Spec("float"),
-    "namespace_secret": _Spec("str", optional=True),
-    "extra_config": _Spec("dict", optional=True),
-}
-
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
-_NONE = frozenset({"none", "null", ""})
+    The type is the field's annotation (``int``, ``float``, ``bool``, ``str``, ``tuple[int, ...]``,
+    ``tuple[float, ...]``, ``dict[str, Any]``; ``| None`` for optional ones). ``choices``: the
+    accepted values; ``ge``/``gt``/``le``: bounds (of each element for a tuple); ``nonempty``: a
+    tuple needs one element or more; ``check(value)``: the reason a value is refused, or None;
+    ``normalize(value)``: the stored form of a value of the same meaning (``file:///x`` -> ``/x``);
+    ``accepted``: the accepted values in words, for the reference, where ``check`` says them;
+    ``secret``: shown as ``***`` in repr(), errors and ``to_dict(redact=True)``; ``redact(value)``: the
+    value as those show it, where only part of it is secret; ``ours``: not an LMCache field.
+    """
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("a field's default must be immutable: a tuple, or None for a mapping")
+    meta = dict(doc=doc, choices=choices, ge=ge, gt=gt, le=le, nonempty=nonempty, check=check,
+                normalize=normalize, accepted=accepted, secret=secret, redact=redact, ours=ours)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def _suggest(name: str, candidates) -> str:
@@ -107,18 +185,316 @@ def _suggest(name: str, candidates) -> str:
 
 def _unknown_key(key: Any, source: str = "", bare: str | None = None) -> ConfigError:
     where = f" in {source}" if source else ""
-    hint = _suggest(str(key) if bare is None else bare, _SPECS)
+    hint = _suggest(str(key) if bare is None else bare, _FIELDS)
     return ConfigError(
         f"unknown config key {key!r}{where}{hint} "
-        f"(valid keys: {', '.join(_SPECS)})"
+        f"(valid keys: {', '.join(_FIELDS)})"
     )
 
 
-def _type_error(key: str, spec: _Spec, value: Any) -> ConfigError:
-    return ConfigError(
-        f"invalid value for '{key}': expected {spec.describe()}, "
-        f"got {type(value).__name__} {value!r}"
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_NONE = frozenset({"none", "null", ""})
+
+
+# ---------------------------------------------------------------------------------------
+# The config
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, repr=False)
+class LMCacheEngineConfig:
+    """Configuration of an LMCache engine (field names and defaults as in LMCache).
+
+    Constructors: ``LMCacheEngineConfig(...)`` / :meth:`from_defaults` (defaults plus
+    keyword overrides), :meth:`from_dict`, :meth:`from_file` (a YAML mapping),
+    :meth:`from_env` (``LMCACHE_<FIELD>`` variables) and :meth:`load`. Every one of
+    them validates; an invalid value raises :class:`ConfigError` (a ``ValueError``)
+    whose message names the key and the accepted values. The config they return is frozen
+    (assigning a field raises ``dataclasses.FrozenInstanceError``; list fields are tuples and
+    ``extra_config`` a read-only dict), hashable, and equal to another exactly when every
+    field is: :meth:`replace` makes a changed, validated copy.
+
+    Resolution order of :meth:`load` (later wins, key by key)::
+
+        1. the defaults below
+        2. the YAML file named by ``LMCACHE_CONFIG_FILE`` (if set)
+        3. ``LMCACHE_<FIELD>`` environment variables (e.g. ``LMCACHE_CHUNK_SIZE=512``)
+        4. ``overrides`` (vLLM's ``kv_connector_extra_config``; keys with or without
+           the ``lmcache.`` prefix)
+
+    Validation runs once on the merged result, so constraints spanning two keys
+    (``enable_blending`` needs ``use_layerwise``) may be satisfied across sources.
+    Unlike LMCache (whose docs say env vars are ignored when a file is set), a file
+    and env vars combine here.
+
+    Environment values are parsed by the field's type: bools accept
+    true/false/1/0/yes/no/on/off, lists accept ``1,3`` or ``[1, 3]``, ``extra_config``
+    is YAML/JSON, and ``none``/``null``/empty mean None for optional fields.
+    ``LMCACHE_*`` variables that are not fields are ignored (unknown ones are logged
+    once as a warning). :meth:`from_file`, :meth:`from_env` and :meth:`load` also take
+    LMCache's other names (``_LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
+    ``__init__``, :meth:`from_defaults` and :meth:`from_dict` take field names only.
+
+    Validation reports and never rewrites: a value is stored as given, or in a normal form of the
+    same meaning (``2`` -> ``2.0`` for a float, ``[1, 3]`` -> ``(1, 3)``, ``0.15`` -> ``(0.15,)``
+    for a list, ``file:///x`` -> ``/x``), or refused. The one value the config picks itself is
+    that of ``save_unfull_chunk`` when it is not given (see its doc): that is logged.
+    """
+
+    chunk_size: int = option(256, "Tokens per chunk.", check=_power_of_two, accepted="a positive power of two")
+    local_cpu: bool = option(True, "Keep chunks in the CPU tier (one pinned-memory pool).")
+    max_local_cpu_size: float = option(5.0, "Size of the CPU tier, GB.", ge=0)
+    local_disk: str | None = option(
+        None, "Directory of the disk tier ('/path', or 'file:///path', stored as the path); needs "
+        "max_local_disk_size > 0.", normalize=_disk_path)
+    max_local_disk_size: float = option(0.0, "Size of the disk tier, GB.", ge=0)
+    remote_url: str | None = option(
+        None, "The remote tier: the cache server here (lm://), or Redis / Valkey. A password in it is "
+        "redacted wherever the URL is shown.", check=_check_remote_url, accepted=remote_url_forms(),
+        redact=redact_url)
+    remote_serde: str = option("naive", "How chunks are encoded for the remote tier (lz4: lossless).",
+                               choices=("naive", "lz4"))
+    remote_auth_token: str | None = option(
+        None, "The remote tier's token: the cache server's, or the Redis password when remote_url has "
+        "none.", secret=True, ours=True)
+    blocking_timeout_secs: float = option(10.0, "The longest one remote call may take, seconds.", gt=0)
+    use_layerwise: bool = option(False, "Load and store layer by layer, pipelined with the forward pass.")
+    enable_blending: bool = option(False, "CacheBlend: reuse chunks that are not a prefix; needs "
+                                          "use_layerwise.")
+    blend_recompute_ratios: tuple[float, ...] = option(
+        (0.15,), "CacheBlend: the share of tokens recomputed after each check layer (LMCache stores "
+        "None and documents 0.15).", ge=0, le=1, nonempty=True)
+    blend_check_layers: tuple[int, ...] = option(
+        (1,), "CacheBlend: the layers where the tokens to recompute are chosen (LMCache stores None "
+        "and documents 1).", ge=0, nonempty=True)
+    blend_min_tokens: int = option(256, "CacheBlend: the fewest tokens a segment needs to be cached "
+                                        "on its own.", ge=0)
+    blend_special_str: str = option(" # # ", "CacheBlend: the text that separates a prompt's segments.")
+    save_decode_cache: bool = option(False, "Also store the KV of generated tokens.")
+    save_unfull_chunk: bool | None = option(
+        None, "Store the partial last chunk of a prompt. Not given (None): true with enable_blending "
+        "(CacheBlend needs each segment's partial chunk; LMCache forces it too, logged), else false as "
+        "in current LMCache. False with enable_blending is an error.")
+    enable_async_loading: bool = option(False, "Lookups answer 'not yet' instead of waiting for every "
+                                               "rank; vLLM asks again at a later step.")
+    lookup_timeout_ms: int = option(3000, "Scheduler-side lookup RPC timeout, ms.", gt=0)
+    prometheus_port: int | None = option(
+        None, "Each process serving an engine exports its lmcache_triton metrics on "
+        "http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join "
+        "vLLM's own /metrics when PROMETHEUS_MULTIPROC_DIR is set).", ge=1, le=65535, ours=True)
+    reservation_lease_secs: float = option(
+        30.0, "The longest a lookup's reservation may hold chunks in the CPU tier: a load normally "
+        "follows within one scheduler step; an aborted or unscheduled request must not hold tier "
+        "capacity for good (expired leases are counted).", gt=0, ours=True)
+    verify_hit_rate: float = option(
+        0.0, "The share of hits that vLLM recomputes instead of loading, to compare the computed KV "
+        "with the stored chunk (a canary: a mismatch is counted, logged and the chunk removed).",
+        ge=0, le=1, ours=True)
+    namespace_secret: str | None = option(
+        None, "Keys carry a keyed digest of each request's cache_salt, never the salt; set the same "
+        "secret on every instance that shares a store to make those digests unguessable too.",
+        secret=True, ours=True)
+    extra_config: dict[str, Any] | None = option(
+        None, "Free-form settings, as LMCache's (stored read-only; see get_extra_config_value). Values "
+        "of keys named like secrets (password, token...) are redacted.", redact=_redact_secret_keys)
+
+    def __post_init__(self) -> None:
+        # Types and normal forms (see the class doc), before the instance is handed out.
+        for f in _FIELDS.values():
+            object.__setattr__(self, f.name, f.coerce(getattr(self, f.name)))
+        # The one field the config fills in itself, when not given; remembered so that replace()
+        # resolves it anew rather than carrying the value picked here.
+        unset = frozenset({"save_unfull_chunk"} if self.save_unfull_chunk is None else ())
+        if unset:
+            object.__setattr__(self, "save_unfull_chunk", self.enable_blending)
+        object.__setattr__(self, "_unset", unset)
+        self.validate()
+        if unset and self.enable_blending:
+            _warn_once("save_unfull_chunk=auto", (
+                "setting save_unfull_chunk=True because enable_blending=True (CacheBlend stores each "
+                "segment's partial last chunk; LMCache does the same); set save_unfull_chunk: true "
+                "to silence this"))
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> LMCacheEngineConfig:
+        """Check every field and the constraints between fields; raise :class:`ConfigError`.
+        Changes nothing (the config is frozen); returns ``self``."""
+        for f in _FIELDS.values():
+            f.check(getattr(self, f.name))
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ConfigError(
+                f"'local_disk' is set ({self.local_disk!r}) but 'max_local_disk_size' is "
+                f"{self.max_local_disk_size!r}: set max_local_disk_size to a size in GB > 0, "
+                f"or unset local_disk"
+            )
+        if self.enable_blending and not self.use_layerwise:
+            raise ConfigError(
+                "'enable_blending' = True requires 'use_layerwise' = True "
+                "(CacheBlend recomputes layer by layer; LMCache too blends only on its "
+                "layerwise path): add use_layerwise: true (LMCACHE_USE_LAYERWISE=true)"
+            )
+        if self.enable_blending and not self.save_unfull_chunk:
+            # Not turned on silently (LMCache does): false was asked for, and the config must either
+            # be what was asked for or fail. Left unset, it is true with blending (__post_init__).
+            raise ConfigError(
+                "'save_unfull_chunk' = False conflicts with 'enable_blending' = True (CacheBlend "
+                "stores each segment's partial last chunk): remove save_unfull_chunk (with "
+                "blending it then defaults to true) or set it true, or turn enable_blending off; "
+                "kv_connector_extra_config's discard_partial_chunks: true also means "
+                "save_unfull_chunk=False"
+            )
+        return self
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_defaults(cls, **overrides: Any) -> LMCacheEngineConfig:
+        """The defaults, with ``overrides`` (field names) applied; validated."""
+        _check_keys(overrides, "overrides")
+        return cls(**overrides)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LMCacheEngineConfig:
+        """Defaults plus a mapping of field names (e.g. the output of :meth:`to_dict`)."""
+        return cls.from_defaults(**dict(values))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> LMCacheEngineConfig:
+        """Defaults plus the keys of the YAML mapping at ``path``."""
+        return cls(**_read_yaml_mapping(path))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LMCacheEngineConfig:
+        """Defaults plus ``LMCACHE_<FIELD>`` variables (of ``os.environ`` by default)."""
+        return cls(**_env_values(environ))
+
+    @classmethod
+    def load(
+        cls,
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        config_file: str | os.PathLike | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> LMCacheEngineConfig:
+        """defaults < config file < ``LMCACHE_*`` env vars < ``overrides``.
+
+        The file is ``config_file`` if given, else ``$LMCACHE_CONFIG_FILE`` if set and
+        non-empty. ``overrides`` keys may carry the ``lmcache.`` prefix.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        path = config_file if config_file is not None else (env.get(CONFIG_FILE_ENV) or None)
+        if path is not None:
+            values.update(_read_yaml_mapping(path))
+        values.update(_env_values(env))
+        if overrides:
+            values.update(_strip_override_prefix(overrides))
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> LMCacheEngineConfig:
+        """A new, validated config with ``changes`` (field names) applied. A field this config
+        filled in itself (``save_unfull_chunk`` not given) is resolved anew for the copy."""
+        _check_keys(changes, "replace()")
+        values = {name: getattr(self, name) for name in _FIELDS if name not in self._unset}
+        values.update(changes)
+        return type(self)(**values)
+
+    # ------------------------------------------------------------------ views
+    def to_dict(self, redact: bool = False) -> dict[str, Any]:
+        """All fields as a plain dict of plain values (lists, dicts; copies); ``redact`` hides
+        secrets: the secret fields, remote_url's password, extra_config keys named like secrets."""
+        d = {name: _thaw(getattr(self, name)) for name in _FIELDS}
+        if redact:
+            for name, f in _FIELDS.items():
+                d[name] = f.shown(d[name])
+        return d
+
+    def summary(self) -> str:
+        """A compact one-line description for log lines (secrets redacted)."""
+        d = self.to_dict(redact=True)
+        defaults = LMCacheEngineConfig().to_dict(redact=True)
+        parts = [f"chunk_size={d['chunk_size']}"]
+        parts.append(f"cpu={d['max_local_cpu_size']:g}GB" if d["local_cpu"] else "cpu=off")
+        if d["local_disk"]:
+            parts.append(f"disk={d['local_disk']}({d['max_local_disk_size']:g}GB)")
+        else:
+            parts.append("disk=off")
+        if d["remote_url"]:
+            parts.append(f"remote={d['remote_url']}({d['remote_serde']})")
+        else:
+            parts.append("remote=off")
+        shown = {"chunk_size", "local_cpu", "max_local_cpu_size", "local_disk",
+                 "max_local_disk_size", "remote_url", "remote_serde"}
+        for k, v in d.items():
+            if k not in shown and v != defaults[k]:
+                parts.append(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")
+        return "LMCacheEngineConfig(" + " ".join(parts) + ")"
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:  # every field, secrets redacted (remote_url's password too)
+        shown = ", ".join(f"{name}={f.shown(getattr(self, name))!r}" for name, f in _FIELDS.items())
+        return f"{type(self).__name__}({shown})"
+
+    def get_extra_config_value(self, key: str, default: Any = None) -> Any:
+        """``extra_config[key]``, or ``default`` (LMCache has the same helper)."""
+        return (self.extra_config or {}).get(key, default)
+
+
+def _refuse_assignment(self: LMCacheEngineConfig, name: str, value: Any = None) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"cannot set or delete {name!r}: an LMCacheEngineConfig is frozen once built; "
+        f"use config.replace({name}=...) for a new, validated config"
     )
+
+
+# The dataclass's own refusal, with the way out in the message (its __init__ and __post_init__
+# set fields through object.__setattr__, as frozen dataclasses do).
+LMCacheEngineConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
+LMCacheEngineConfig.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
+
+
+# ---------------------------------------------------------------------------------------
+# The field table, derived from the declarations above
+# ---------------------------------------------------------------------------------------
+class _FrozenDict(dict):
+    """A dict that refuses changes (``extra_config`` as stored); hashable when its values are."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("extra_config is read-only (the config is frozen): "
+                        "use config.replace(extra_config={...})")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_FrozenDict, (dict(self),))
+
+    def __copy__(self) -> _FrozenDict:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> _FrozenDict:
+        return self
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return _FrozenDict({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
 
 
 def _is_int(v: Any) -> bool:
@@ -129,43 +505,149 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _coerce(key: str, value: Any) -> Any:
-    """Check ``value`` against the field's type; return it normalized (int -> float for
-    float fields, tuples -> lists, a lone scalar -> one-element list as LMCache accepts)."""
-    spec = _SPECS[key]
-    if value is None:
-        if spec.optional:
+# The scalar types a field (or a list field's elements) may have: kind -> test of a value.
+_IS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class _Field:
+    """One field, as its declaration says: name, type (``kind``: int, float, bool, str, list[int],
+    list[float] or dict, as written in YAML), default, doc and accepted values."""
+
+    name: str
+    kind: str
+    optional: bool
+    default: Any
+    meta: Mapping[str, Any]
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def describe(self) -> str:
+        return f"{self.kind} or None" if self.optional else self.kind
+
+    def shown(self, value: Any) -> Any:
+        """``value`` as errors and ``to_dict(redact=True)`` may show it."""
+        if value is None:
             return None
-        raise _type_error(key, spec, value)
-    kind = spec.kind
-    if kind == "int":
-        if _is_int(value):
+        if self.meta["secret"]:
+            return "***"
+        redact = self.meta["redact"]
+        try:
+            return value if redact is None else redact(value)
+        except (TypeError, AttributeError):  # a value of the wrong type, about to be refused
             return value
-    elif kind == "float":
-        if _is_number(value):
-            value = float(value)
-            if math.isfinite(value):
-                return value
-            raise ConfigError(f"invalid value for '{key}': must be a finite number, got {value!r}")
-    elif kind == "bool":
-        if isinstance(value, bool):
-            return value
-    elif kind == "str":
-        if isinstance(value, str):
-            return value
-    elif kind in ("list[int]", "list[float]"):
-        elem_ok = _is_int if kind == "list[int]" else _is_number
-        items = list(value) if isinstance(value, (list, tuple)) else [value]
-        if all(elem_ok(x) for x in items):
-            if kind == "list[float]":
-                items = [float(x) for x in items]
-            return items
-    elif kind == "dict":
-        if isinstance(value, Mapping):
-            if all(isinstance(k, str) for k in value):
-                return dict(value)
-            raise ConfigError(f"invalid value for '{key}': keys must be strings, got {value!r}")
-    raise _type_error(key, spec, value)
+
+    def _type_error(self, value: Any) -> ConfigError:
+        return ConfigError(f"invalid value for '{self.name}': expected {self.describe()}, "
+                           f"got {type(value).__name__} {self.shown(value)!r}")
+
+    def coerce(self, value: Any) -> Any:
+        """``value`` checked against the type and stored in its normal form: int -> float for a
+        float, a list (or a lone scalar, as LMCache accepts) -> a tuple, a mapping -> a read-only
+        dict, plus the field's own ``normalize``."""
+        if value is None:
+            if self.optional:
+                return None
+            raise self._type_error(value)
+        kind, out = self.kind, _MISSING
+        if kind == "dict":
+            if isinstance(value, Mapping):
+                if not all(isinstance(k, str) for k in value):
+                    raise ConfigError(f"invalid value for '{self.name}': keys must be strings, "
+                                      f"got {self.shown(value)!r}")
+                out = _freeze(value)
+        elif kind.startswith("list["):
+            elem = kind[len("list["):-1]
+            items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            if all(_IS[elem](x) for x in items):
+                out = tuple(float(x) for x in items) if elem == "float" else items
+        elif _IS[kind](value):
+            out = float(value) if kind == "float" else value
+            if kind == "float" and not math.isfinite(out):
+                raise ConfigError(f"invalid value for '{self.name}': must be a finite number, got {value!r}")
+        if out is _MISSING:
+            raise self._type_error(value)
+        normalize = self.meta["normalize"]
+        return normalize(out) if normalize is not None else out
+
+    def check(self, value: Any) -> None:
+        """Refuse a (coerced) value outside the accepted ones."""
+        if value is None:
+            return
+        m, name = self.meta, self.name
+        items = value if self.kind.startswith("list") else (value,)
+        each = "each value " if self.kind.startswith("list") else ""
+        if m["nonempty"] and not items:
+            raise ConfigError(f"invalid value for '{name}': must be a non-empty list")
+        if m["choices"] and value not in m["choices"]:
+            hint = _LMCACHE_VALUES.get(name, {}).get(value, (None, ""))[1]
+            raise ConfigError(f"invalid value for '{name}': must be one of {', '.join(map(repr, m['choices']))}, "
+                              f"got {value!r}" + (f" ({hint})" if hint else ""))
+        ge, gt, le = m["ge"], m["gt"], m["le"]
+        for x in items:
+            if ge is not None and le is not None and not ge <= x <= le:
+                why = f"must be in [{ge}, {le}]"
+            elif ge is not None and x < ge:
+                why = f"must be >= {ge}"
+            elif gt is not None and x <= gt:
+                why = f"must be > {gt}"
+            else:
+                continue
+            raise ConfigError(f"invalid value for '{name}': {each}{why}{' or None' if self.optional else ''}, "
+                              f"got {value!r}")
+        reason = m["check"](value) if m["check"] is not None else None
+        if reason:
+            raise ConfigError(f"invalid value for '{name}': {reason}, got {self.shown(value)!r}")
+
+
+_MISSING = object()
+
+
+def _build_fields() -> dict[str, _Field]:
+    hints = typing.get_type_hints(LMCacheEngineConfig)
+    out = {}
+    for f in dataclasses.fields(LMCacheEngineConfig):
+        tp, optional = hints[f.name], False
+        if typing.get_origin(tp) in (types.UnionType, typing.Union):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            optional, (tp,) = True, args
+        origin = typing.get_origin(tp)
+        if origin is tuple:
+            kind = f"list[{typing.get_args(tp)[0].__name__}]"
+        else:
+            kind = "dict" if origin is dict else tp.__name__
+        assert kind in (*_IS, "list[int]", "list[float]", "dict"), (f.name, kind)
+        out[f.name] = _Field(f.name, kind, optional, f.default, f.metadata)
+    return out
+
+
+_FIELDS: dict[str, _Field] = _build_fields()
+
+
+def reference() -> str:
+    """The fields as a Markdown table (name, type, default, accepted values, doc): the README's."""
+    rows = ["| Field | Type | Default | Accepts | Meaning |", "|---|---|---|---|---|"]
+    for f in _FIELDS.values():
+        m = f.meta
+        accepts = [m["accepted"]] if m["accepted"] else []
+        if m["choices"]:
+            accepts.append(" \\| ".join(map(str, m["choices"])))
+        if m["ge"] is not None and m["le"] is not None:
+            accepts.append(f"{m['ge']}..{m['le']}")
+        elif m["ge"] is not None:
+            accepts.append(f">= {m['ge']}")
+        elif m["gt"] is not None:
+            accepts.append(f"> {m['gt']}")
+        if m["nonempty"]:
+            accepts.append("non-empty")
+        default = f"`{json.dumps(_thaw(f.default))}`"
+        doc = m["doc"] + (" *Not in LMCache.*" if m["ours"] else "") + (" Secret: redacted." if m["secret"] else "")
+        rows.append(f"| `{f.name}` | {f.describe()} | {default} | {', '.join(accepts)} | {doc} |")
+    return "\n".join(rows) + "\n"
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,7 +661,7 @@ def _coerce(key: str, value: Any) -> Any:
 #
 # A name whose value equals LMCache's default (`default`) changes nothing and passes without a
 # word, so a full LMCache config dump does not drown the warnings that matter. Names in neither
-# _SPECS nor this table stay errors (files, overrides) or warnings (LMCACHE_* variables).
+# _FIELDS nor this table stay errors (files, overrides) or warnings (LMCACHE_* variables).
 # ---------------------------------------------------------------------------------------
 _ANY = object()  # no default: any value is acted on
 _DROP = object()  # from an alias's convert: this value has no counterpart, ignore it (with the note)
@@ -367,8 +849,6 @@ _LMCACHE_EXTRA_KEYS: dict[str, str] = {
     "valkey_mode": "cluster mode is not implemented here (one host:port)",
     "redis_mode": "cluster mode is not implemented here (one host:port)",
 }
-# extra_config keys whose values to_dict(redact=True) hides.
-_SECRET_WORDS = ("pass", "secret", "token", "credential")
 
 # LMCACHE_* variables LMCache reads elsewhere than in its config (the vLLM connector).
 _LMCACHE_ENV_ONLY: dict[str, _Compat] = {
@@ -447,7 +927,7 @@ def _apply_compat(name: str, entry: _Compat, value: Any, where: str, out: dict[s
         except ConfigError:
             raise ConfigError(
                 f"cannot parse environment variable {name}={value!r}: "
-                f"expected {_SPECS[target].describe()}"
+                f"expected {_FIELDS[target].describe()}"
             ) from None
     converted, note = entry.convert(name, value)
     if converted is _DROP:
@@ -455,10 +935,10 @@ def _apply_compat(name: str, entry: _Compat, value: Any, where: str, out: dict[s
         return
     if target in out:
         try:
-            existing = _coerce(target, out[target])
+            existing = _FIELDS[target].coerce(out[target])
         except ConfigError:
             existing = out[target]
-        if existing != _coerce(target, converted):
+        if existing != _FIELDS[target].coerce(converted):
             raise ConfigError(
                 f"{shown} and '{target}' are both given, with different values "
                 f"({value!r} and {out[target]!r}); keep '{target}' only"
@@ -481,7 +961,7 @@ def _translate_values(values: dict[str, Any], where: str) -> None:
             used, why = _LMCACHE_SCHEMES[scheme]
             values["remote_url"] = f"{used}://{rest}"
             _warn_once(f"remote_url={scheme}", (
-                f"{why}; using remote_url={_redact_url(values['remote_url'])!r} "
+                f"{why}; using remote_url={redact_url(values['remote_url'])!r} "
                 f"for {scheme}:// ({where})"))
     for key, table in _LMCACHE_VALUES.items():
         value = values.get(key, _ANY)
@@ -496,10 +976,10 @@ def _translate_values(values: dict[str, Any], where: str) -> None:
 
 def _translate(values: Mapping[Any, Any], where: str) -> dict[str, Any]:
     """Fields kept, LMCache's names applied (see _LMCACHE_NAMES); anything else: ConfigError."""
-    out: dict[str, Any] = {k: v for k, v in values.items() if k in _SPECS}
+    out: dict[str, Any] = {k: v for k, v in values.items() if k in _FIELDS}
     _translate_values(out, where)
     for k, v in values.items():
-        if k in _SPECS:
+        if k in _FIELDS:
             continue
         entry = _LMCACHE_NAMES.get(k) if isinstance(k, str) else None
         if entry is None:
@@ -527,7 +1007,7 @@ def connector_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         entry = _CONNECTOR_KEYS.get(key)
         if entry is not None:
             _apply_compat(key, entry, value, "kv_connector_extra_config", out)
-        elif key in _SPECS or key in _LMCACHE_NAMES:
+        elif key in _FIELDS or key in _LMCACHE_NAMES:
             _warn_once(f"extra:{key}", (
                 f"ignoring kv_connector_extra_config key '{key}': config keys need the "
                 f"'{OVERRIDE_PREFIX}' prefix there (as in LMCache), e.g. '{OVERRIDE_PREFIX}{key}'"))
@@ -554,19 +1034,19 @@ def _unquote(s: str) -> str:
 
 def _parse_env(key: str, raw: str) -> Any:
     """Parse the text of ``LMCACHE_<KEY>`` by the field's type."""
-    spec = _SPECS[key]
-    var = _env_name(key)
+    f = _FIELDS[key]
+    var = f.env
     text = raw.strip()
 
     def fail(extra: str = "") -> ConfigError:
         return ConfigError(
-            f"cannot parse environment variable {var}={raw!r}: expected {spec.describe()}"
+            f"cannot parse environment variable {var}={raw!r}: expected {f.describe()}"
             + (f" ({extra})" if extra else "")
         )
 
-    if spec.optional and text.lower() in _NONE:
+    if f.optional and text.lower() in _NONE:
         return None
-    kind = spec.kind
+    kind = f.kind
     if kind == "str":
         # Strings are kept as written (blend_special_str is " # # "), quotes removed.
         return _unquote(raw)
@@ -619,7 +1099,7 @@ def _env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     compat: list[tuple[str, _Compat, str]] = []
-    field_vars = {_env_name(k): k for k in _SPECS}
+    field_vars = {_env_name(k): k for k in _FIELDS}
     for var, raw in env.items():
         if not var.startswith(ENV_PREFIX):
             continue
@@ -634,7 +1114,7 @@ def _env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             compat.append((var, entry, raw))
         elif var not in _warned_env:
             _warned_env.add(var)
-            match = difflib.get_close_matches(var[len(ENV_PREFIX):].lower(), list(_SPECS), n=1, cutoff=0.6)
+            match = difflib.get_close_matches(var[len(ENV_PREFIX):].lower(), list(_FIELDS), n=1, cutoff=0.6)
             logger.warning(
                 "ignoring unknown environment variable %s%s",
                 var,
@@ -676,362 +1156,24 @@ def _strip_override_prefix(overrides: Mapping[str, Any], where: str = "overrides
         if not isinstance(raw_key, str):
             raise _unknown_key(raw_key, where)
         key = raw_key[len(OVERRIDE_PREFIX):] if raw_key.startswith(OVERRIDE_PREFIX) else raw_key
-        if key not in _SPECS and key not in _LMCACHE_NAMES:
+        if key not in _FIELDS and key not in _LMCACHE_NAMES:
             raise _unknown_key(raw_key, where, bare=key)
         if key in out and out[key] != value:
             raise ConfigError(
                 f"config key '{key}' is given twice in {where} with different values "
-                f"({out[key]!r} and {value!r}, with and without the '{OVERRIDE_PREFIX}' prefix)"
+                f"({_shown(key, out[key])!r} and {_shown(key, value)!r}, "
+                f"with and without the '{OVERRIDE_PREFIX}' prefix)"
             )
         out[key] = value
     return _translate(out, where)
 
 
+def _shown(key: str, value: Any) -> Any:
+    f = _FIELDS.get(key)
+    return value if f is None else f.shown(value)
+
+
 def _check_keys(values: Mapping[str, Any], source: str) -> None:
     for k in values:
-        if k not in _SPECS:
+        if k not in _FIELDS:
             raise _unknown_key(k, source)
-
-
-def _redact_url(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}:***@{netloc}").geturl()
-
-
-# ---------------------------------------------------------------------------------------
-# The config
-# ---------------------------------------------------------------------------------------
-@dataclass
-class LMCacheEngineConfig:
-    """Configuration of an LMCache engine (field names and defaults as in LMCache).
-
-    Constructors: ``LMCacheEngineConfig(...)`` / :meth:`from_defaults` (defaults plus
-    keyword overrides), :meth:`from_dict`, :meth:`from_file` (a YAML mapping),
-    :meth:`from_env` (``LMCACHE_<FIELD>`` variables) and :meth:`load`. Every one of
-    them validates; an invalid value raises :class:`ConfigError` (a ``ValueError``)
-    whose message names the key and the accepted values.
-
-    Resolution order of :meth:`load` (later wins, key by key)::
-
-        1. the defaults below
-        2. the YAML file named by ``LMCACHE_CONFIG_FILE`` (if set)
-        3. ``LMCACHE_<FIELD>`` environment variables (e.g. ``LMCACHE_CHUNK_SIZE=512``)
-        4. ``overrides`` (vLLM's ``kv_connector_extra_config``; keys with or without
-           the ``lmcache.`` prefix)
-
-    Validation runs once on the merged result, so constraints spanning two keys
-    (``enable_blending`` needs ``use_layerwise``) may be satisfied across sources.
-    Unlike LMCache (whose docs say env vars are ignored when a file is set), a file
-    and env vars combine here.
-
-    Environment values are parsed by the field's type: bools accept
-    true/false/1/0/yes/no/on/off, lists accept ``1,3`` or ``[1, 3]``, ``extra_config``
-    is YAML/JSON, and ``none``/``null``/empty mean None for optional fields.
-    ``LMCACHE_*`` variables that are not fields are ignored (unknown ones are logged
-    once as a warning). :meth:`from_file`, :meth:`from_env` and :meth:`load` also take
-    LMCache's other names (``_LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
-    ``__init__``, :meth:`from_defaults` and :meth:`from_dict` take field names only.
-    """
-
-    # Tokens per chunk; a positive power of two.
-    chunk_size: int = 256
-    # CPU (pinned memory) tier.
-    local_cpu: bool = True
-    max_local_cpu_size: float = 5.0  # GB
-    # Disk tier: a directory ("file:///path" or "/path"); needs max_local_disk_size > 0.
-    local_disk: str | None = None
-    max_local_disk_size: float = 0.0  # GB
-    # Remote tier: lm://host:port, redis://host:port[/db], rediss://..., valkey://...
-    remote_url: str | None = None
-    remote_serde: str = "naive"  # "naive" | "lz4"
-    # Not an LMCache field; kept out of repr() and redacted in summary()/to_dict(redact=True).
-    remote_auth_token: str | None = field(default=None, repr=False)
-    blocking_timeout_secs: float = 10.0
-    # Layerwise pipelining and CacheBlend.
-    use_layerwise: bool = False
-    enable_blending: bool = False
-    # LMCache stores None for these two and documents 0.15 and 1 as the effective defaults.
-    blend_recompute_ratios: list[float] = field(default_factory=lambda: [0.15])
-    blend_check_layers: list[int] = field(default_factory=lambda: [1])
-    blend_min_tokens: int = 256
-    blend_special_str: str = " # # "
-    # What to store.
-    save_decode_cache: bool = False
-    # LMCache's current default is False (older releases had True); blending forces True.
-    save_unfull_chunk: bool = False
-    enable_async_loading: bool = False
-    # Scheduler-side lookup RPC timeout.
-    lookup_timeout_ms: int = 3000
-    # Not an LMCache field: each process serving an engine exports lmcache_triton_* metrics on
-    # http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join
-    # vLLM's own /metrics when PROMETHEUS_MULTIPROC_DIR is set).
-    prometheus_port: int | None = None
-    # Not LMCache fields. The longest a lookup's reservation may hold chunks in the CPU tier: a load
-    # normally follows within one scheduler step, and a lookup whose request was aborted, timed
-    # out or never scheduled must not hold tier capacity for good (expired leases are counted).
-    reservation_lease_secs: float = 30.0
-    # The share of hits (0..1) that vLLM recomputes instead of loading, to compare the computed KV
-    # with the stored chunk (a canary: a mismatch is counted, logged and the chunk removed).
-    verify_hit_rate: float = 0.0
-    # Keys carry a keyed digest of each request's cache_salt, never the salt. Set the same secret
-    # on every instance that shares a store to make those digests unguessable too.
-    namespace_secret: str | None = field(default=None, repr=False)
-    extra_config: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    # ------------------------------------------------------------------ validation
-    def validate(self) -> LMCacheEngineConfig:
-        """Check (and normalize in place) every field; raise :class:`ConfigError`."""
-        for key in _SPECS:
-            setattr(self, key, _coerce(key, getattr(self, key)))
-
-        cs = self.chunk_size
-        if cs <= 0 or cs & (cs - 1):
-            raise ConfigError(
-                f"invalid value for 'chunk_size': must be a positive power of two "
-                f"(e.g. 16, 64, 256, 512), got {cs!r}"
-            )
-        for key in ("max_local_cpu_size", "max_local_disk_size", "blend_min_tokens"):
-            if getattr(self, key) < 0:
-                raise ConfigError(
-                    f"invalid value for '{key}': must be >= 0, got {getattr(self, key)!r}"
-                )
-        if not 0.0 <= self.verify_hit_rate <= 1.0:
-            raise ConfigError(
-                f"invalid value for 'verify_hit_rate': must be in [0, 1], got {self.verify_hit_rate!r}"
-            )
-        for key in ("blocking_timeout_secs", "lookup_timeout_ms", "reservation_lease_secs"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(
-                    f"invalid value for '{key}': must be > 0, got {getattr(self, key)!r}"
-                )
-
-        if self.prometheus_port is not None and not 1 <= self.prometheus_port <= 65535:
-            raise ConfigError(
-                f"invalid value for 'prometheus_port': must be a TCP port in 1..65535 or None, "
-                f"got {self.prometheus_port!r}"
-            )
-
-        self.local_disk = self._normalize_local_disk(self.local_disk)
-        if self.local_disk is not None and self.max_local_disk_size <= 0:
-            raise ConfigError(
-                f"'local_disk' is set ({self.local_disk!r}) but 'max_local_disk_size' is "
-                f"{self.max_local_disk_size!r}: set max_local_disk_size to a size in GB > 0, "
-                f"or unset local_disk"
-            )
-
-        if self.remote_url is not None:
-            self._check_remote_url(self.remote_url)
-        if self.remote_serde not in REMOTE_SERDES:
-            hint = (" (LMCache's lossy cachegen codec is not implemented here)"
-                    if self.remote_serde == "cachegen" else "")
-            raise ConfigError(
-                f"invalid value for 'remote_serde': must be one of "
-                f"{', '.join(map(repr, REMOTE_SERDES))}, got {self.remote_serde!r}{hint}"
-            )
-
-        if not self.blend_recompute_ratios:
-            raise ConfigError(
-                "invalid value for 'blend_recompute_ratios': "
-                "must be a non-empty list of floats in [0, 1]"
-            )
-        for r in self.blend_recompute_ratios:
-            if not 0.0 <= r <= 1.0:
-                raise ConfigError(
-                    f"invalid value for 'blend_recompute_ratios': each ratio must be in [0, 1], "
-                    f"got {self.blend_recompute_ratios!r}"
-                )
-        if not self.blend_check_layers:
-            raise ConfigError(
-                "invalid value for 'blend_check_layers': "
-                "must be a non-empty list of layer indices >= 0"
-            )
-        if any(layer < 0 for layer in self.blend_check_layers):
-            raise ConfigError(
-                f"invalid value for 'blend_check_layers': each layer index must be >= 0, "
-                f"got {self.blend_check_layers!r}"
-            )
-        if self.enable_blending:
-            if not self.use_layerwise:
-                raise ConfigError(
-                    "'enable_blending' = True requires 'use_layerwise' = True "
-                    "(CacheBlend recomputes layer by layer; LMCache too blends only on its "
-                    "layerwise path): add use_layerwise: true (LMCACHE_USE_LAYERWISE=true)"
-                )
-            if not self.save_unfull_chunk:
-                # As LMCache does: blending needs the last, partial chunk of each segment.
-                logger.warning("setting save_unfull_chunk=True because enable_blending=True")
-                self.save_unfull_chunk = True
-        return self
-
-    @staticmethod
-    def _normalize_local_disk(value: str | None) -> str | None:
-        if value is None:
-            return None
-        path = value
-        if path.startswith("file://"):
-            path = path[len("file://"):]
-        elif "://" in path:
-            raise ConfigError(
-                f"invalid value for 'local_disk': must be a directory path or a "
-                f"'file:///path' URL, got {value!r}"
-            )
-        if not path.strip():
-            raise ConfigError(
-                f"invalid value for 'local_disk': must be a non-empty directory path "
-                f"('/path' or 'file:///path') or None, got {value!r}"
-            )
-        return path
-
-    @staticmethod
-    def _check_remote_url(url: str) -> None:
-        accepted = (
-            "lm://host:port, redis://host:port[/db], rediss://host:port[/db], "
-            "valkey://host:port[/db]"
-        )
-
-        def bad(why: str) -> ConfigError:
-            return ConfigError(
-                f"invalid value for 'remote_url': {why}; accepted forms: {accepted}, got {url!r}"
-            )
-
-        try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError as e:
-            raise bad(str(e)) from None
-        if parts.scheme not in REMOTE_SCHEMES:
-            raise bad(f"unsupported scheme {parts.scheme!r}" if parts.scheme else "no scheme")
-        if not parts.hostname:
-            raise bad("missing host")
-        if parts.scheme == "lm":
-            if port is None:
-                raise bad("missing port")
-            if parts.path not in ("", "/"):
-                raise bad("lm:// URLs take no path")
-        else:
-            db = parts.path.strip("/")
-            if db and not db.isdigit():
-                raise bad(f"the database must be a number, got {db!r}")
-        if parts.query or parts.fragment:
-            raise bad("no query or fragment allowed")
-
-    # ------------------------------------------------------------------ constructors
-    @classmethod
-    def from_defaults(cls, **overrides: Any) -> LMCacheEngineConfig:
-        """The defaults, with ``overrides`` (field names) applied; validated."""
-        _check_keys(overrides, "overrides")
-        return cls(**overrides)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> LMCacheEngineConfig:
-        """Defaults plus a mapping of field names (e.g. the output of :meth:`to_dict`)."""
-        return cls.from_defaults(**dict(values))
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> LMCacheEngineConfig:
-        """Defaults plus the keys of the YAML mapping at ``path``."""
-        return cls(**_read_yaml_mapping(path))
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> LMCacheEngineConfig:
-        """Defaults plus ``LMCACHE_<FIELD>`` variables (of ``os.environ`` by default)."""
-        return cls(**_env_values(environ))
-
-    @classmethod
-    def load(
-        cls,
-        overrides: Mapping[str, Any] | None = None,
-        *,
-        config_file: str | os.PathLike | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> LMCacheEngineConfig:
-        """defaults < config file < ``LMCACHE_*`` env vars < ``overrides``.
-
-        The file is ``config_file`` if given, else ``$LMCACHE_CONFIG_FILE`` if set and
-        non-empty. ``overrides`` keys may carry the ``lmcache.`` prefix.
-        """
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        path = config_file if config_file is not None else (env.get(CONFIG_FILE_ENV) or None)
-        if path is not None:
-            values.update(_read_yaml_mapping(path))
-        values.update(_env_values(env))
-        if overrides:
-            values.update(_strip_override_prefix(overrides))
-        return cls(**values)
-
-    # ------------------------------------------------------------------ views
-    def to_dict(self, redact: bool = False) -> dict[str, Any]:
-        """All fields as a plain dict (lists/dicts copied); ``redact`` hides secrets."""
-        d = {k: _copy(getattr(self, k)) for k in _SPECS}
-        if redact:
-            for secret in ("remote_auth_token", "namespace_secret"):
-                if d[secret] is not None:
-                    d[secret] = "***"
-            if d["remote_url"] is not None:
-                d["remote_url"] = _redact_url(d["remote_url"])
-            if d["extra_config"]:
-                d["extra_config"] = {
-                    k: "***" if any(w in k.lower() for w in _SECRET_WORDS) else v
-                    for k, v in d["extra_config"].items()
-                }
-        return d
-
-    def replace(self, **changes: Any) -> LMCacheEngineConfig:
-        """A validated copy with ``changes`` applied."""
-        _check_keys(changes, "replace()")
-        values = self.to_dict()
-        values.update(changes)
-        return type(self)(**values)
-
-    def summary(self) -> str:
-        """A compact one-line description for log lines (secrets redacted)."""
-        d = self.to_dict(redact=True)
-        defaults = _defaults()
-        parts = [f"chunk_size={d['chunk_size']}"]
-        parts.append(f"cpu={d['max_local_cpu_size']:g}GB" if d["local_cpu"] else "cpu=off")
-        if d["local_disk"]:
-            parts.append(f"disk={d['local_disk']}({d['max_local_disk_size']:g}GB)")
-        else:
-            parts.append("disk=off")
-        if d["remote_url"]:
-            parts.append(f"remote={d['remote_url']}({d['remote_serde']})")
-        else:
-            parts.append("remote=off")
-        shown = {"chunk_size", "local_cpu", "max_local_cpu_size", "local_disk",
-                 "max_local_disk_size", "remote_url", "remote_serde"}
-        for k, v in d.items():
-            if k not in shown and v != defaults[k]:
-                parts.append(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}")
-        return "LMCacheEngineConfig(" + " ".join(parts) + ")"
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def get_extra_config_value(self, key: str, default: Any = None) -> Any:
-        """``extra_config[key]``, or ``default`` (LMCache has the same helper)."""
-        return (self.extra_config or {}).get(key, default)
-
-
-def _copy(v: Any) -> Any:
-    return copy.deepcopy(v) if isinstance(v, (list, dict)) else v
-
-
-def _defaults() -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(LMCacheEngineConfig):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        else:
-            out[f.name] = f.default_factory()  # type: ignore[misc]
-    return out

@@ -216,7 +216,7 @@ def make_chunk():
     import torch
 
     from lmcache_triton.storage.memory import MemoryFormat
-    from lmcache_triton.engine.token_database import CacheEngineKey
+    from lmcache_triton.keys import CacheEngineKey
 
     def make(pool, seed: int, tokens: int = 16):
         obj = pool.allocate((2, 4, tokens, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
@@ -249,7 +249,7 @@ _OTHER_HOST = """
 import sys, torch
 from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage.remote import create_remote_backend
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 def chunk(pool, seed):
     obj = pool.allocate((2, 4, 16, 64), torch.bfloat16, MemoryFormat.KV_2LTD)
     obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(seed)))

@@ -1,10 +1,12 @@
-"""Tests of lmcache_triton.config (CPU only, no torch)."""
+"""Tests of lmcache_triton.config (CPU only; no torch, except the remote_url tests, which import storage/)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +36,7 @@ def test_defaults_match_lmcache():
     assert c.remote_url is None and c.remote_serde == "naive" and c.remote_auth_token is None
     assert c.blocking_timeout_secs == 10.0
     assert c.use_layerwise is False and c.enable_blending is False
-    assert c.blend_recompute_ratios == [0.15] and c.blend_check_layers == [1]
+    assert c.blend_recompute_ratios == (0.15,) and c.blend_check_layers == (1,)
     assert c.blend_min_tokens == 256 and c.blend_special_str == " # # "
     assert c.save_decode_cache is False
     assert c.save_unfull_chunk is False
@@ -43,10 +45,18 @@ def test_defaults_match_lmcache():
     assert c.extra_config is None
 
 
-def test_default_lists_not_shared():
-    a, b = LMCacheEngineConfig(), LMCacheEngineConfig()
-    a.blend_check_layers.append(5)
-    assert b.blend_check_layers == [1]
+def test_lists_are_tuples_and_extra_config_read_only():
+    # Replaces test_default_lists_not_shared: nothing of a config can change, shared or not.
+    c = LMCacheEngineConfig.from_defaults(blend_check_layers=[1, 3], extra_config={"a": {"b": [1]}})
+    assert c.blend_check_layers == (1, 3) and isinstance(c.blend_recompute_ratios, tuple)
+    with pytest.raises(AttributeError):
+        c.blend_check_layers.append(5)  # type: ignore[attr-defined]
+    for mutate in (lambda d: d.__setitem__("x", 1), lambda d: d.pop("a"), lambda d: d.update(x=1),
+                   lambda d: d.clear(), lambda d: d.setdefault("x", 1), lambda d: d["a"].__setitem__("b", 2)):
+        with pytest.raises(TypeError, match="read-only.*replace"):
+            mutate(c.extra_config)
+    assert c.extra_config == {"a": {"b": (1,)}} and isinstance(c.extra_config, dict)
+    assert c.to_dict()["extra_config"] == {"a": {"b": [1]}}  # plain again, for YAML / JSON
 
 
 def test_import_has_no_torch():
@@ -71,15 +81,15 @@ def test_from_defaults_overrides_and_coercion():
     )
     assert c.chunk_size == 512
     assert c.max_local_cpu_size == 2.0 and isinstance(c.max_local_cpu_size, float)
-    assert c.blend_check_layers == [1, 3]
-    assert c.blend_recompute_ratios == [0.0]
+    assert c.blend_check_layers == (1, 3)
+    assert c.blend_recompute_ratios == (0.0,)
 
 
 def test_replace_is_validated_copy():
     c = LMCacheEngineConfig()
     d = c.replace(chunk_size=1024, extra_config={"a": [1]})
     assert d.chunk_size == 1024 and c.chunk_size == 256
-    assert d.extra_config == {"a": [1]}
+    assert d.extra_config == {"a": (1,)}
     with pytest.raises(ConfigError, match="chunk_size"):
         c.replace(chunk_size=100)
     with pytest.raises(ConfigError, match="unknown config key 'chunk_sise'.*'chunk_size'"):
@@ -93,7 +103,8 @@ def test_to_dict_round_trip_and_independent():
     assert LMCacheEngineConfig.from_dict(d) == c
     d["extra_config"]["x"]["y"] = 2
     d["blend_check_layers"].append(9)
-    assert c.extra_config == {"x": {"y": 1}} and c.blend_check_layers == [1]
+    assert c.extra_config == {"x": {"y": 1}} and c.blend_check_layers == (1,)
+    assert d["blend_check_layers"] == [1, 9] and isinstance(c.to_dict()["blend_check_layers"], list)
     assert c.to_dict(redact=True)["remote_auth_token"] == "***"
 
 
@@ -127,7 +138,7 @@ def test_from_file(tmp_path):
     assert c.chunk_size == 512 and c.local_cpu is False and c.max_local_cpu_size == 1.0
     assert c.local_disk == "/tmp/lmc/" and c.max_local_disk_size == 2.5
     assert c.remote_url == "lm://localhost:65432" and c.remote_serde == "lz4"
-    assert c.blend_check_layers == [0, 2] and c.extra_config == {"a": 1}
+    assert c.blend_check_layers == (0, 2) and c.extra_config == {"a": 1}
     assert LMCacheEngineConfig.from_file(str(p)) == c
 
 
@@ -192,19 +203,19 @@ def test_from_env_typed(monkeypatch):
     c = LMCacheEngineConfig.from_env()
     assert c.chunk_size == 512 and c.local_cpu is False and c.max_local_cpu_size == 2.5
     assert c.use_layerwise and c.enable_blending and c.save_decode_cache
-    assert c.blend_check_layers == [1, 3] and c.blend_recompute_ratios == [0.1, 0.2]
-    assert c.extra_config == {"a": 1, "b": [True]}
+    assert c.blend_check_layers == (1, 3) and c.blend_recompute_ratios == (0.1, 0.2)
+    assert c.extra_config == {"a": 1, "b": (True,)}
     assert c.remote_url is None and c.remote_auth_token == "tok"
     assert c.blend_special_str == " ## "
     assert c.local_disk == "/var/cache/lmc" and c.max_local_disk_size == 10.0
     assert c.lookup_timeout_ms == 100
-    # blending forces save_unfull_chunk on, as in LMCache
+    # save_unfull_chunk not given: with blending it is true, as in LMCache
     assert c.save_unfull_chunk is True
 
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("[1, 3]", [1, 3]), ("2", [2]), (" 0 , 4 ", [0, 4])],
+    [("[1, 3]", (1, 3)), ("2", (2,)), (" 0 , 4 ", (0, 4))],
     ids=["yaml-list", "single", "spaces"],
 )
 def test_from_env_int_list_forms(monkeypatch, value, expected):
@@ -365,6 +376,12 @@ def test_load_env_parse_error_surfaces(monkeypatch):
         ({"lookup_timeout_ms": 0}, "lookup_timeout_ms.*> 0"),
         ({"lookup_timeout_ms": 1.5}, "lookup_timeout_ms.*expected int"),
         ({"enable_blending": True}, "enable_blending.*use_layerwise"),
+        ({"enable_blending": True, "use_layerwise": True, "save_unfull_chunk": False},
+         "'save_unfull_chunk' = False conflicts with 'enable_blending' = True.*remove save_unfull_chunk"),
+        ({"save_unfull_chunk": 1}, "save_unfull_chunk.*expected bool or None"),
+        ({"prometheus_port": 0}, r"prometheus_port.*\[1, 65535\] or None"),
+        ({"verify_hit_rate": 1.5}, r"verify_hit_rate.*\[0, 1\]"),
+        ({"remote_url": "valkeys://h:1/x"}, "remote_url.*database"),
         ({"blend_recompute_ratios": [0.1, 1.5]}, r"blend_recompute_ratios.*\[0, 1\]"),
         ({"blend_recompute_ratios": []}, "blend_recompute_ratios.*non-empty"),
         ({"blend_recompute_ratios": ["a"]}, r"blend_recompute_ratios.*list\[float\]"),
@@ -402,6 +419,7 @@ def test_unknown_key_from_defaults_suggests():
         "redis://localhost",
         "rediss://user:pw@cache.example.com:6380/0",
         "valkey://10.0.0.1:6379",
+        "valkeys://user:pw@cache.example.com:6380/1",
         "redis://[::1]:6379",
     ],
 )
@@ -425,11 +443,259 @@ def test_local_disk_normalization(value, expected):
     assert c.replace(chunk_size=128).local_disk == expected
 
 
-def test_blending_valid_and_forces_save_unfull_chunk(caplog):
+def test_blending_resolves_unset_save_unfull_chunk(caplog):
+    """Replaces test_blending_valid_and_forces_save_unfull_chunk: save_unfull_chunk not given is
+    true with blending (logged, once), false without; given, it is kept or the load fails."""
     with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
         c = LMCacheEngineConfig.from_defaults(enable_blending=True, use_layerwise=True)
+        LMCacheEngineConfig.from_defaults(enable_blending=True, use_layerwise=True)
     assert c.save_unfull_chunk is True
-    assert any("save_unfull_chunk" in r.getMessage() for r in caplog.records)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "save_unfull_chunk=True because enable_blending=True" in msgs[0], msgs
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
+        given = LMCacheEngineConfig.from_defaults(enable_blending=True, use_layerwise=True, save_unfull_chunk=True)
+        assert LMCacheEngineConfig().save_unfull_chunk is False
+    assert caplog.records == [] and given == c
+    # replace(): a value the config picked is picked anew; a value given is kept
+    assert c.replace(enable_blending=False).save_unfull_chunk is False
+    assert LMCacheEngineConfig().replace(enable_blending=True, use_layerwise=True).save_unfull_chunk is True
+    assert given.replace(enable_blending=False).save_unfull_chunk is True
+    with pytest.raises(ConfigError, match="'save_unfull_chunk' = False conflicts with 'enable_blending'"):
+        c.replace(save_unfull_chunk=False)
+
+
+def test_save_unfull_chunk_false_with_blending_fails_from_every_source(tmp_path):
+    p = write(tmp_path, "enable_blending: true\nuse_layerwise: true\n")
+    pattern = "'save_unfull_chunk' = False conflicts with 'enable_blending' = True"
+    with pytest.raises(ConfigError, match=pattern):
+        LMCacheEngineConfig.load(config_file=p, environ={"LMCACHE_SAVE_UNFULL_CHUNK": "false"})
+    with pytest.raises(ConfigError, match=pattern + ".*discard_partial_chunks"):
+        LMCacheEngineConfig.load(config_mod.connector_overrides({"discard_partial_chunks": True}), config_file=p,
+                                 environ={})
+    assert LMCacheEngineConfig.load(config_file=p, environ={"LMCACHE_SAVE_UNFULL_CHUNK": "none"}).save_unfull_chunk
+
+
+# ------------------------------------------------------------------ one declaration, frozen, never rewritten
+
+
+def test_one_declaration_per_field():
+    """Types come from the annotations, everything else from option(): no second table."""
+    import typing
+
+    assert not hasattr(config_mod, "_SPECS")
+    fields = dataclasses.fields(LMCacheEngineConfig)
+    assert list(config_mod._FIELDS) == [f.name for f in fields]
+    hints = typing.get_type_hints(LMCacheEngineConfig)
+    kinds = {int: "int", float: "float", bool: "bool", str: "str", tuple[int, ...]: "list[int]",
+             tuple[float, ...]: "list[float]", dict[str, typing.Any]: "dict"}
+    for f in fields:
+        spec = config_mod._FIELDS[f.name]
+        tp = hints[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)] if spec.optional else [tp]
+        assert spec.kind == kinds[args[0]], f.name
+        assert spec.optional == (type(None) in typing.get_args(tp)), f.name
+        assert f.metadata["doc"].strip(), f"{f.name} has no doc"
+        assert f.default is not dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    assert [n for n, f in config_mod._FIELDS.items() if f.meta["secret"]] == ["remote_auth_token", "namespace_secret"]
+
+
+def test_readme_reference_is_the_declarations():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("<!-- config-reference")
+    body = readme[readme.index("\n", start) + 1:readme.index("<!-- /config-reference -->")]
+    assert body == config_mod.reference(), "paste lmcache_triton.config.reference() between the markers"
+    for name in config_mod._FIELDS:
+        assert f"| `{name}` |" in body
+
+
+def _every_constructor(tmp_path):
+    empty = write(tmp_path, "")
+    return {
+        "init": LMCacheEngineConfig(),
+        "from_defaults": LMCacheEngineConfig.from_defaults(chunk_size=512),
+        "from_dict": LMCacheEngineConfig.from_dict({"chunk_size": 512}),
+        "from_file": LMCacheEngineConfig.from_file(empty),
+        "from_env": LMCacheEngineConfig.from_env({"LMCACHE_CHUNK_SIZE": "512"}),
+        "load": LMCacheEngineConfig.load({"lmcache.chunk_size": 512}, environ={}),
+        "replace": LMCacheEngineConfig().replace(chunk_size=512),
+        "dataclasses.replace": dataclasses.replace(LMCacheEngineConfig(), chunk_size=512),
+    }
+
+
+def test_frozen_after_every_constructor(tmp_path):
+    for how, c in _every_constructor(tmp_path).items():
+        before = c.to_dict()
+        with pytest.raises(dataclasses.FrozenInstanceError, match=r"'chunk_size'.*replace\(chunk_size=\.\.\.\)"):
+            c.chunk_size = 1024
+        with pytest.raises(dataclasses.FrozenInstanceError, match="replace"):
+            del c.local_cpu
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            c.not_a_field = 1
+        assert c.to_dict() == before, how
+
+
+def test_equal_configs_hash_alike_and_copies_stay_frozen():
+    import copy
+    import pickle
+
+    a = LMCacheEngineConfig.from_defaults(blend_check_layers=[1, 3], extra_config={"a": [1, {"b": 2}]},
+                                          remote_auth_token="t")
+    b = LMCacheEngineConfig.from_dict(a.to_dict())
+    assert a == b and hash(a) == hash(b) and {a: "engine"}[b] == "engine"
+    assert a != a.replace(chunk_size=512) and a.replace() == a and a.replace() is not a
+    assert len({a, b, a.replace(remote_auth_token="u")}) == 2
+    for copied in (copy.copy(a), copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
+        assert copied == a and hash(copied) == hash(a)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            copied.chunk_size = 1
+        with pytest.raises(TypeError):
+            copied.extra_config["a"] = 0
+    blend = LMCacheEngineConfig.from_defaults(enable_blending=True, use_layerwise=True)
+    assert pickle.loads(pickle.dumps(blend)).replace(enable_blending=False).save_unfull_chunk is False
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"chunk_size": 512, "max_local_cpu_size": 2.5, "local_cpu": False},
+        {"local_disk": "/tmp/lmc", "max_local_disk_size": 1.0, "remote_url": "rediss://u:pw@h:1/2",
+         "remote_serde": "lz4", "remote_auth_token": "tok", "namespace_secret": "s"},
+        {"use_layerwise": True, "enable_blending": True, "save_unfull_chunk": True,
+         "blend_recompute_ratios": [0.1, 0.2], "blend_check_layers": [0, 2], "blend_min_tokens": 0},
+        {"prometheus_port": 9100, "verify_hit_rate": 1.0, "reservation_lease_secs": 0.5,
+         "lookup_timeout_ms": 1, "extra_config": {"k": [1, {"x": None}]}, "save_unfull_chunk": False},
+    ],
+    ids=["defaults", "tiers", "remote", "blending", "ours"],
+)
+def test_config_is_what_was_asked(given):
+    """Validation reports and never rewrites: each given value comes back as given, and validate()
+    on a built config changes nothing."""
+    c = LMCacheEngineConfig.from_defaults(**given)
+    d = c.to_dict()
+    assert {k: d[k] for k in given} == given
+    assert c.validate() is c and c.to_dict() == d
+    assert LMCacheEngineConfig.from_dict(d) == c
+
+
+def test_config_imports_nothing_of_the_package():
+    """config is the lowest floor: the standard library and PyYAML only."""
+    import ast
+
+    tree = ast.parse(Path(config_mod.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports"
+            imported.add(node.module.split(".")[0])
+    assert "lmcache_triton" not in imported
+    assert imported - set(sys.stdlib_module_names) == {"yaml"}
+
+
+# ------------------------------------------------------------------ remote_url: one scheme table, one redaction
+
+SECRET = "hunter2"
+
+
+def test_remote_schemes_config_and_backend_factory_agree(monkeypatch):
+    """Every scheme create_remote_backend builds a backend for, the config accepts, and the other way
+    round; the redis backend hands redis-py the protocol the table says."""
+    from lmcache_triton.storage import redis_backend, remote
+
+    built = []
+    monkeypatch.setattr(remote, "CacheServerBackend", lambda host, port, *a, **k: built.append(("lm", host, port)))
+    monkeypatch.setattr(redis_backend, "RedisBackend", lambda url, *a, **k: built.append(("redis", url)))
+    candidates = [*config_mod.REMOTE_SCHEMES, "http", "https", "resp", "unix", "s3", "mooncakestore", "lms",
+                  "tcp", "file", "redis+tls", "valkeyss", "REDIS"]
+    accepted_by_config, accepted_by_factory = set(), set()
+    for scheme in candidates:
+        url = f"{scheme}://localhost:6379"
+        try:
+            LMCacheEngineConfig.from_defaults(remote_url=url)
+            accepted_by_config.add(scheme)
+        except ConfigError as e:
+            assert "unsupported scheme" in str(e)
+        try:
+            remote.create_remote_backend(url, None)
+            accepted_by_factory.add(scheme)
+        except ValueError as e:
+            assert "unsupported remote url scheme" in str(e)
+            assert config_mod.remote_url_forms() in str(e)
+    assert accepted_by_config == accepted_by_factory
+    assert {s.lower() for s in accepted_by_config} == set(config_mod.REMOTE_SCHEMES)  # URL schemes ignore case
+    assert "valkeys" in accepted_by_config and len(built) == len(accepted_by_factory)
+    for scheme, protocol in config_mod.REMOTE_SCHEMES.items():
+        if protocol != "lm":
+            assert redis_backend.redis_url(f"{scheme}://h:1").startswith(f"{protocol}://")
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        (f"redis://user:{SECRET}@localhost:6379/0", "redis://user:***@localhost:6379/0"),
+        (f"rediss://:{SECRET}@cache.example.com:6380", "rediss://:***@cache.example.com:6380"),
+        (f"valkey://default:{SECRET}@10.0.0.1:6379", "valkey://default:***@10.0.0.1:6379"),
+        (f"valkeys://u:{SECRET}@[::1]:6379/3", "valkeys://u:***@[::1]:6379/3"),
+        (f"redis://{SECRET}@h:1", "redis://***@h:1"),
+        (f"redis://u:p@s{SECRET}@h:1", "redis://u:***@h:1"),
+        (f"lm://tok:{SECRET}@h:65432", "lm://tok:***@h:65432"),
+        ("redis://h:1/0", "redis://h:1/0"),
+    ],
+)
+def test_one_redaction_for_config_and_backend(url, shown):
+    from lmcache_triton.storage import redis_backend
+
+    assert not hasattr(config_mod, "_redact_url") and not hasattr(redis_backend, "_redact")
+    assert config_mod.redact_url(url) == shown and SECRET not in shown
+    c = LMCacheEngineConfig.from_defaults(remote_url=url)
+    assert c.to_dict(redact=True)["remote_url"] == shown
+    assert f"remote={shown}(" in c.summary() and SECRET not in repr(c) + str(c)
+    if config_mod.REMOTE_SCHEMES[url.split("://")[0]] != "lm":
+        pytest.importorskip("redis")
+        b = redis_backend.RedisBackend(url, None)  # connects lazily: nothing listens, nothing is sent
+        try:
+            assert b.url == shown
+        finally:
+            b.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://u:{SECRET}@h:1",                  # unsupported scheme
+        f"redis://u:{SECRET}@[::1:6379",           # urlsplit refuses it
+        f"redis://u:{SECRET}@h:1/x",               # not a database number
+        f"redis://h:1/0?password={SECRET}",        # query
+        f"lm://u:{SECRET}@h",                      # no port
+        f"u:{SECRET}@h:6379",                      # no scheme
+    ],
+)
+def test_refused_urls_never_show_the_secret(url):
+    from lmcache_triton.storage import remote
+
+    assert SECRET not in config_mod.redact_url(url)
+    with pytest.raises(ConfigError, match="remote_url") as ei:
+        LMCacheEngineConfig.from_defaults(remote_url=url)
+    assert SECRET not in str(ei.value)
+    try:  # the factory checks less than the config: it may build a backend, whose url is redacted too
+        backend = remote.create_remote_backend(url, None, timeout_s=0.1)
+    except ValueError as e:
+        assert SECRET not in str(e)
+    else:
+        assert SECRET not in backend.url
+        backend.close()
+
+
+def test_secrets_never_in_errors():
+    with pytest.raises(ConfigError, match="remote_auth_token.*expected str or None") as ei:
+        LMCacheEngineConfig.from_defaults(remote_auth_token=12345678)
+    assert "12345678" not in str(ei.value)
+    with pytest.raises(ConfigError, match="given twice") as ei:
+        LMCacheEngineConfig.load({"lmcache.namespace_secret": SECRET, "namespace_secret": "other"}, environ={})
+    assert SECRET not in str(ei.value)
 
 
 def test_get_extra_config_value():

@@ -36,8 +36,7 @@ def _setup(layout="vllm_cpu", *, layerwise=False, save_unfull_chunk=False, max_g
 @pytest.fixture(autouse=True)
 def _destroy_engines():
     yield
-    for name in list(LMCacheEngineBuilder._engines):
-        LMCacheEngineBuilder.destroy(name)
+    LMCacheEngineBuilder.destroy_all()
 
 
 def _slots(n, seed):
@@ -220,3 +219,53 @@ def test_layerwise_generators_closed_early_leak_nothing():
     assert engine.storage_manager.cpu.num_held > 0
     retriever.close()
     assert engine.storage_manager.cpu.num_held == 0, "a load closed early releases its holds"
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _failing_after(gen_fn, steps_ok):
+    """A connector move that runs `steps_ok` steps, then raises (a kernel or device error)."""
+    def move(objs, starts, ends, target):
+        inner = gen_fn(objs, starts, ends, target)
+        for _ in range(steps_ok):
+            next(inner)
+            yield
+        raise _Boom("copy failed")
+    return move
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all_layers", "layerwise"])
+@pytest.mark.parametrize("direction", ["store", "retrieve"])
+def test_a_failing_copy_frees_and_releases_everything(layerwise, direction):
+    """One store loop and one retrieve loop, each with one try/finally: whichever step of the
+    connector fails, no pool memory and no hold outlives the call, and nothing half-copied is stored."""
+    engine, caches = _setup(layerwise=layerwise, instance=f"boom-{direction}-{layerwise}")
+    conn, cpu = engine.gpu_connector, engine.storage_manager.cpu
+    tokens, slots = torch.arange(3 * CHUNK), _slots(3 * CHUNK, 1)
+    src = caches(g=torch.Generator().manual_seed(3))
+    if direction == "retrieve":
+        assert engine.store(tokens, kvcaches=src, slot_mapping=slots) == 3 * CHUNK
+    used = cpu.used_bytes
+    fail_at = conn.steps - 1  # the last step: every object is allocated or held by then
+    name = "batched_from_gpu" if direction == "store" else "batched_to_gpu"
+    setattr(conn, name, _failing_after(getattr(conn, name), fail_at))
+    with pytest.raises(_Boom):
+        if direction == "store":
+            engine.store(tokens, kvcaches=src, slot_mapping=slots)
+        else:
+            engine.retrieve(tokens, kvcaches=caches(fill=0), slot_mapping=_slots(3 * CHUNK, 2))
+    assert cpu.used_bytes == used, "pool memory lost to a failed copy"
+    assert cpu.num_held == 0, "holds left by a failed copy"
+    if direction == "store":
+        assert engine.lookup(tokens) == 0, "a chunk whose copy failed was stored"
+
+
+def test_key_scope_arguments_are_checked():
+    """A misspelt key argument is an error, not silently ignored (it used to vanish into **kwargs)."""
+    engine, caches = _setup(instance="typo")
+    with pytest.raises(TypeError, match="namespce"):
+        engine.lookup(torch.arange(CHUNK), namespce="tenant-a")
+    with pytest.raises(TypeError, match="pin"):
+        engine.lookup(torch.arange(CHUNK), pin=True)

@@ -39,8 +39,7 @@ CONNECTORS = {
 @pytest.fixture(autouse=True)
 def _destroy_engines():
     yield
-    for name in list(LMCacheEngineBuilder._engines):
-        LMCacheEngineBuilder.destroy(name)
+    LMCacheEngineBuilder.destroy_all()
 
 
 def setup(kind: str, layout: str, order: str, device: str = "cpu"):
@@ -105,7 +104,7 @@ def test_buffer_holds_the_layer_and_flushes_it(layout, order, device):
     src_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g, device=device)
     dst_slots = random_slot_mapping(NUM_TOKENS, num_blocks=BLOCKS, block_size=BLOCK, generator=g, device=device)
     engine.store(tokens, kvcaches=src, slot_mapping=src_slots)
-    gen = engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots, flush_to_paged=False)
+    gen = engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots, write_paged=False)
     for layer in range(LAYERS):
         assert next(gen) is None
         buf = connector.get_layer_buffer(layer)
@@ -142,5 +141,5 @@ def test_blending_requires_layerwise():
 
 def test_kernels_run_in_these_tests():
     """Without CUDA the root conftest turns on Triton's interpreter: the connectors ran the kernels."""
-    from lmcache_triton.kernels import paged_copy
-    assert paged_copy._use_triton(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    from lmcache_triton.kernels import use_triton
+    assert use_triton(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -70,14 +70,14 @@ def load_file(caplog, name, **kw):
 def test_every_lmcache_name_has_a_fate():
     """Each LMCache name is a field here, or in the table (alias / ignore / reject)."""
     table = config_mod._LMCACHE_NAMES
-    missing = [n for n in LMCACHE_V1_NAMES if n not in config_mod._SPECS and n not in table]
+    missing = [n for n in LMCACHE_V1_NAMES if n not in config_mod._FIELDS and n not in table]
     assert missing == []
-    assert not set(table) & set(config_mod._SPECS)
+    assert not set(table) & set(config_mod._FIELDS)
     for name, entry in table.items():
         assert entry.action in ("alias", "ignore", "reject"), name
         assert entry.reason, name
         if entry.action == "alias":
-            assert entry.target in config_mod._SPECS and entry.convert is not None, name
+            assert entry.target in config_mod._FIELDS and entry.convert is not None, name
     for entry in config_mod._CONNECTOR_KEYS.values():
         assert entry.action in ("alias", "ignore") and entry.reason
 
@@ -94,7 +94,7 @@ CONTROLLER = "cache controller"
     [
         ("blend_kv_v1_blending.yaml",
          dict(enable_blending=True, use_layerwise=True, local_cpu=True, max_local_cpu_size=5.0,
-              blend_special_str=" # # ", save_unfull_chunk=True, blend_recompute_ratios=[0.15]),
+              blend_special_str=" # # ", save_unfull_chunk=True, blend_recompute_ratios=(0.15,)),
          {"save_unfull_chunk=True because enable_blending"}),
         ("disagg_1p1d_prefiller.yaml",
          dict(local_cpu=False, save_unfull_chunk=True),
@@ -152,7 +152,7 @@ def test_rag_blending_example_percentage_ratio(caplog):
     config_mod.reset_warnings()
     caplog.clear()
     c = load_file(caplog, "rag_example_blending.yaml", environ={"LMCACHE_USE_LAYERWISE": "true"})
-    assert c.enable_blending and c.use_layerwise and c.blend_recompute_ratios == [0.15]
+    assert c.enable_blending and c.use_layerwise and c.blend_recompute_ratios == (0.15,)
     assert c.max_local_cpu_size == 30.0 and c.blend_min_tokens == 256
     assert any("blend_recompute_ratio" in m and "percentage" in m for m in warnings_of(caplog))
 
@@ -282,7 +282,7 @@ def test_cache_policy_other_than_lru_warned(caplog, tmp_path):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(15, [0.15]), (0.3, [0.3]), (1, [1.0]), (0, [0.0]), ([0.1, 0.2], [0.1, 0.2]), (50.0, [0.5])],
+    [(15, (0.15,)), (0.3, (0.3,)), (1, (1.0,)), (0, (0.0,)), ([0.1, 0.2], (0.1, 0.2)), (50.0, (0.5,))],
 )
 def test_blend_recompute_ratio_alias(caplog, value, expected):
     with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
@@ -295,7 +295,7 @@ def test_blend_recompute_ratio_alias(caplog, value, expected):
 
 def test_blend_recompute_ratio_env_and_errors():
     c = LMCacheEngineConfig.load(environ={"LMCACHE_BLEND_RECOMPUTE_RATIO": "20"})
-    assert c.blend_recompute_ratios == [0.2]
+    assert c.blend_recompute_ratios == (0.2,)
     with pytest.raises(ConfigError, match="LMCACHE_BLEND_RECOMPUTE_RATIO='x'"):
         LMCacheEngineConfig.load(environ={"LMCACHE_BLEND_RECOMPUTE_RATIO": "x"})
     with pytest.raises(ConfigError, match="blend_recompute_ratio.*percentage in \\(1, 100\\]"):
@@ -304,7 +304,7 @@ def test_blend_recompute_ratio_env_and_errors():
         LMCacheEngineConfig.load({"blend_recompute_ratio": 0.3, "blend_recompute_ratios": [0.2]}, environ={})
     # the same value twice is fine
     c = LMCacheEngineConfig.load({"blend_recompute_ratio": 15, "blend_recompute_ratios": 0.15}, environ={})
-    assert c.blend_recompute_ratios == [0.15]
+    assert c.blend_recompute_ratios == (0.15,)
 
 
 def test_pin_timeout_sec_is_pin_lease_secs(caplog):
@@ -398,7 +398,7 @@ def test_resolve_config_stub_vllm(caplog, monkeypatch):
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
     with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
         c = common.resolve_config(vllm_config)
-    assert c.chunk_size == 128 and c.blend_recompute_ratios == [0.15]
+    assert c.chunk_size == 128 and c.blend_recompute_ratios == (0.15,)
     assert c.save_unfull_chunk is False  # discard_partial_chunks wins over the env, as in LMCache
     got = warnings_of(caplog)
     for e in ("discard_partial_chunks", "lmcache_rpc_port", "skip_last_n_tokens", "LMCACHE_PD_ROLE",
@@ -407,6 +407,23 @@ def test_resolve_config_stub_vllm(caplog, monkeypatch):
     # no extra config at all
     vllm_config.kv_transfer_config.kv_connector_extra_config = None
     assert common.resolve_config(vllm_config).chunk_size == 256
+
+
+def test_resolve_config_amx_drops_partial_chunks_without_rewriting_blending(caplog, monkeypatch):
+    """On AMX CPUs only whole blocks move: save_unfull_chunk is turned off by a new config (logged);
+    a blending config is left as asked (the worker refuses CacheBlend there, with its own error)."""
+    from lmcache_triton.integration.vllm import common
+
+    monkeypatch.setattr(common, "cpu_blocks_opaque", lambda: True)
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config={"lmcache.save_unfull_chunk": True}))
+    with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
+        assert common.resolve_config(vllm_config).save_unfull_chunk is False
+    assert any("AMX" in m for m in warnings_of(caplog))
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {
+        "lmcache.enable_blending": True, "lmcache.use_layerwise": True}
+    c = common.resolve_config(vllm_config)
+    assert c.enable_blending and c.save_unfull_chunk is True
 
 
 # ------------------------------------------------------------------ lmcache-triton config check

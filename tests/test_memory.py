@@ -3,7 +3,7 @@ import torch
 
 from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 F = MemoryFormat.KV_2LTD
 
@@ -55,7 +55,10 @@ def test_lru_evicts_the_oldest_unpinned_chunk():
     obj.unhold()
     _put(be, 3)
     assert [be.contains(_key(i)) for i in range(4)] == [True, False, True, True]
-    assert be.num_evictions == 1
+    assert be.stats().evictions == 1
+    s = be.stats()
+    assert (s.chunks, s.used_bytes, s.capacity_bytes, s.held_chunks) == (3, 3 * 1024, 3 * 1024, 0)
+    assert (s.puts, s.hits, s.misses, s.evictions, s.put_failures, s.errors, s.corrupt) == (4, 1, 0, 1, 0, 0, 0)
 
 
 def test_pinned_chunk_is_never_evicted_and_full_pinned_tier_refuses():
@@ -67,7 +70,8 @@ def test_pinned_chunk_is_never_evicted_and_full_pinned_tier_refuses():
     assert be.contains(_key(0)) and not be.contains(_key(1)) and be.contains(_key(2))
     held = be.get(_key(2))  # now everything is pinned
     assert not _put(be, 3), "a tier full of held chunks refuses instead of evicting them"
-    assert be.num_refusals == 1 and be.contains(_key(0)) and be.contains(_key(2))
+    assert be.stats().put_failures == 1 and be.contains(_key(0)) and be.contains(_key(2))
+    assert be.stats().put_failures == 1 and be.stats().held_chunks == 2
     assert torch.all(held.tensor == 2)
     held.unhold()
     assert _put(be, 3) and not be.contains(_key(2))
@@ -93,7 +97,7 @@ def test_remove_clear_and_duplicate_put():
 
 def test_oversized_chunk_is_refused():
     be = _backend(1)
-    assert be.allocate((4096,), torch.uint8, F) is None and be.num_refusals == 1
+    assert be.allocate((4096,), torch.uint8, F) is None and be.stats().put_failures == 1
 
 
 def test_unhold_without_hold_is_an_error():

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
+from lmcache_triton.observability import prometheus
 from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
@@ -32,6 +33,7 @@ def test_metrics_scrape_reflects_engine_activity():
                                      kv_shape=(2, 2, 16, 2, 32))
     engine = LMCacheEngineBuilder.get_or_create("metrics", config, metadata,
                                                 create_gpu_connector(config, metadata, "vllm_cpu"))
+    prometheus.export(engine, config.prometheus_port)  # what vLLM's worker does: the engine exports nothing itself
     try:
         caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=32,
                                 dtype=torch.float16)
@@ -110,6 +112,7 @@ def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_sta
                                      kv_shape=(2, 2, 16, 2, 32))
     engine = LMCacheEngineBuilder.get_or_create("metrics-misses", config, metadata,
                                                 create_gpu_connector(config, metadata, "vllm_cpu"))
+    prometheus.export(engine, config.prometheus_port)
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=32,
@@ -117,7 +120,7 @@ def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_sta
         slots = random_slot_mapping(32, num_blocks=8, block_size=16)
         engine.store(torch.arange(32), kvcaches=caches, slot_mapping=slots)
         engine.lookup(torch.arange(1000, 1040))  # 32 never stored + 8 of a partial chunk
-        assert engine.lookup(torch.arange(32), pin=True, lookup_id="never-released") == 32
+        assert engine.lookup(torch.arange(32), reserve=True, lookup_id="never-released") == 32
         engine.verify(torch.arange(32), kvcaches=caches, slot_mapping=slots)
         import time
 
@@ -136,3 +139,33 @@ def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_sta
     shown = json.loads(capsys.readouterr().out)["metrics/misses rank 0"]
     assert shown["miss_tokens"] == {"never_stored": 32.0, "partial_chunk": 8.0}
     assert shown["expired_reservations"] == 1.0
+
+
+def test_disk_tier_errors_are_exported_as_disk_errors_not_remote(tmp_path):
+    """A disk that fails its writes shows in lmcache_triton_disk_errors_total{tier=...}, and the
+    remote errors counter (which once counted them) has no sample for the disk tier."""
+    import shutil
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    folder = tmp_path / "kv"
+    config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.01, local_disk=str(folder),
+                                               max_local_disk_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="metrics/disk", world_size=1, worker_id=0, kv_dtype=torch.float16,
+                                     kv_shape=(2, 2, 16, 2, 32))
+    engine = LMCacheEngineBuilder.get_or_create("metrics-disk", config, metadata,
+                                                create_gpu_connector(config, metadata, "vllm_cpu"))
+    prometheus.track(engine)
+    try:
+        shutil.rmtree(folder)
+        folder.write_bytes(b"not a folder")  # every chunk write now fails (ENOTDIR)
+        caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=32,
+                                dtype=torch.float16)
+        engine.store(torch.arange(32), kvcaches=caches, slot_mapping=random_slot_mapping(32, num_blocks=8, block_size=16))
+        engine.storage_manager.flush(10)
+        text = generate_latest(REGISTRY).decode()
+        labels = dict(model="metrics/disk", rank="0", tier="LocalDiskBackend")
+        assert _value(text, "lmcache_triton_disk_errors_total", **labels) >= 1
+        assert not re.search(r'lmcache_triton_remote_errors_total\{[^}]*model="metrics/disk"', text)
+    finally:
+        LMCacheEngineBuilder.destroy("metrics-disk")

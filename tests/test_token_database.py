@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
+from lmcache_triton.engine.token_database import ChunkedTokenDatabase
+from lmcache_triton.keys import CacheEngineKey, KeyScope
 
 
 def _db(chunk_size=4, save_unfull_chunk=False, **meta):
@@ -40,10 +41,10 @@ def test_list_and_tensor_tokens_hash_alike():
 
 
 def test_key_names_everything_and_round_trips():
-    key = next(iter(_db().process_tokens(torch.arange(4), namespace="tenant/a@b")))[2]
+    key = next(iter(_db().process_tokens(torch.arange(4), scope=KeyScope(namespace="tenant/a@b"))))[2]
     assert (key.model_name, key.world_size, key.worker_id, key.dtype, key.fmt) == ("org/model-7b", 2, 1, "bfloat16", "KV_2LTD")
     assert key.namespace and "tenant" not in key.to_string(), "keys carry a digest of the salt, never the salt"
-    assert key.namespace == next(iter(_db().process_tokens(torch.arange(4), namespace="tenant/a@b")))[2].namespace
+    assert key.namespace == next(iter(_db().process_tokens(torch.arange(4), scope=KeyScope(namespace="tenant/a@b"))))[2].namespace
     s = key.to_string()
     assert CacheEngineKey.from_string(s) == key
     layer = key.with_layer(3)
@@ -62,8 +63,8 @@ def test_keys_differ_by_model_rank_dtype(field, value):
 
 def test_namespaces_isolate():
     db = _db()
-    a = [k for *_, k in db.process_tokens(torch.arange(8), namespace="alice")]
-    b = [k for *_, k in db.process_tokens(torch.arange(8), namespace="bob")]
+    a = [k for *_, k in db.process_tokens(torch.arange(8), scope=KeyScope(namespace="alice"))]
+    b = [k for *_, k in db.process_tokens(torch.arange(8), scope=KeyScope(namespace="bob"))]
     assert all(x.chunk_hash != y.chunk_hash for x, y in zip(a, b))
 
 
@@ -82,7 +83,7 @@ def test_mask_skips_chunk_aligned_prefix_but_keys_keep_the_chain():
 def test_extra_hashes_change_the_key():
     db = _db()
     plain = [k for *_, k in db.process_tokens(torch.arange(8))]
-    image = [k for *_, k in db.process_tokens(torch.arange(8), extra_hashes=[b"", b"image-sha"])]
+    image = [k for *_, k in db.process_tokens(torch.arange(8), scope=KeyScope(extra_hashes=[b"", b"image-sha"]))]
     assert plain[0] == image[0] and plain[1] != image[1]
 
 
@@ -90,10 +91,11 @@ _KEYS_SCRIPT = """
 import torch
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.engine.token_database import ChunkedTokenDatabase
+from lmcache_triton.keys import KeyScope
 m = LMCacheEngineMetadata(model_name="org/model-7b", world_size=2, worker_id=1, kv_dtype=torch.bfloat16,
                           kv_shape=(2, 2, 4, 2, 32))
 db = ChunkedTokenDatabase(4, m)
-print("|".join(k.to_string() for *_, k in db.process_tokens(torch.arange(100, 112), namespace="ns")))
+print("|".join(k.to_string() for *_, k in db.process_tokens(torch.arange(100, 112), scope=KeyScope(namespace="ns"))))
 """
 
 
@@ -105,15 +107,15 @@ def test_keys_equal_across_processes():
         for seed in ("1", "2")
     }
     assert len(outs) == 1
-    here = "|".join(k.to_string() for *_, k in _db().process_tokens(torch.arange(100, 112), namespace="ns"))
+    here = "|".join(k.to_string() for *_, k in _db().process_tokens(torch.arange(100, 112), scope=KeyScope(namespace="ns")))
     assert outs == {here}
 
 
 def test_mm_spans_change_the_chunks_they_overlap_and_those_behind():
     db = _db()
     tokens = torch.arange(12)  # chunks [0,4) [4,8) [8,12)
-    a = [k for *_, k in db.process_tokens(tokens, mm_spans=[(5, 2, "img-a")])]
-    b = [k for *_, k in db.process_tokens(tokens, mm_spans=[(5, 2, "img-b")])]
+    a = [k for *_, k in db.process_tokens(tokens, scope=KeyScope(mm_spans=[(5, 2, "img-a")]))]
+    b = [k for *_, k in db.process_tokens(tokens, scope=KeyScope(mm_spans=[(5, 2, "img-b")]))]
     assert a[0] == b[0], "a chunk before the image does not depend on it"
     assert a[1] != b[1] and a[2] != b[2], "the chunk holding the image, and the prefix chain behind it"
 
@@ -121,8 +123,8 @@ def test_mm_spans_change_the_chunks_they_overlap_and_those_behind():
 def test_adapter_and_model_variant_are_part_of_the_key():
     tokens = torch.arange(8)
     base = [k for *_, k in _db().process_tokens(tokens)]
-    lora_a = [k for *_, k in _db().process_tokens(tokens, adapter="lora:a:1234")]
-    lora_b = [k for *_, k in _db().process_tokens(tokens, adapter="lora:b:5678")]
+    lora_a = [k for *_, k in _db().process_tokens(tokens, scope=KeyScope(adapter="lora:a:1234"))]
+    lora_b = [k for *_, k in _db().process_tokens(tokens, scope=KeyScope(adapter="lora:b:5678"))]
     assert len({base[0], lora_a[0], lora_b[0]}) == 3
     assert lora_a[0].identity and base[0].identity == ""
     quantized = [k for *_, k in _db(kv_identity="quantization='awq'").process_tokens(tokens)]
@@ -132,8 +134,8 @@ def test_adapter_and_model_variant_are_part_of_the_key():
 
 def test_salt_never_appears_in_a_key():
     salt = "tenant-secret-XYZ"
-    key = next(iter(_db().process_tokens(torch.arange(4), namespace=salt)))[2]
+    key = next(iter(_db().process_tokens(torch.arange(4), scope=KeyScope(namespace=salt))))[2]
     assert salt not in key.to_string() and "XYZ" not in repr(key)
     other_secret = ChunkedTokenDatabase(4, _db().metadata, namespace_secret="deployment-secret")
-    keyed = next(iter(other_secret.process_tokens(torch.arange(4), namespace=salt)))[2]
+    keyed = next(iter(other_secret.process_tokens(torch.arange(4), scope=KeyScope(namespace=salt))))[2]
     assert keyed.namespace != key.namespace, "the digest is keyed by namespace_secret when set"

@@ -324,8 +324,10 @@ def test_threaded_stress_zero_wrong_bytes(tmp_path):
         assert not errors, errors
         assert reads[0] > 50 and not wrong, f"{len(wrong)} wrong chunks in {reads[0]} reads"
         assert m.cpu.num_held == 0
-        held = sum(o.nbytes for o in m.cpu._objs.values())
-        assert m.cpu.used_bytes == held, "the pool's books match what the tier holds"
+        probe = m.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+        nbytes, used = probe.nbytes, m.cpu.used_bytes - probe.nbytes
+        probe.free()
+        assert used == len(m.cpu) * nbytes, "the pool's books match what the tier holds"
     finally:
         m.close()
 

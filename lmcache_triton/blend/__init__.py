@@ -7,7 +7,7 @@ from lmcache_triton.blend.blender import (BlendResult, KVSource, LMCBlender, LMC
                                           TensorKVSource, segment_positions)
 from lmcache_triton.blend.llama import HFLlamaLayerwise, VLLMLlamaLayerwise, as_layerwise
 from lmcache_triton.blend.model import LayerwiseModel, RotaryInfo, causal_attention
-from lmcache_triton.blend.segments import SegmentTokenDatabase, separator_ids, split_segments
+from lmcache_triton.engine.token_database import SegmentTokenDatabase, separator_ids, split_segments
 
 __all__ = [
     "BlendResult", "KVSource", "LMCBlender", "LMCBlenderBuilder", "RetrieverKVSource", "TensorKVSource",

@@ -72,14 +72,14 @@ class RetrieverKVSource:
     into a prompt-wide `[2, T, kv_hidden]` tensor (separators and tokens outside any hit segment stay
     uncached), and after blending that tensor is scattered into vLLM's paged cache at `slot_mapping`
     (all T tokens: recomputed rows included, so the paged cache holds the blended KV).
-    The retrieve runs with `flush_to_paged=False`: nothing unblended reaches the paged cache.
+    The retrieve runs with `write_paged=False`: nothing unblended reaches the paged cache.
     """
 
     def __init__(self, engine: Any, connector: Any, tokens: torch.Tensor, *, kvcaches: Sequence[torch.Tensor],
                  slot_mapping: torch.Tensor, device: torch.device, **retrieve_kwargs: Any) -> None:
         self.connector, self.kvcaches, self.slot_mapping = connector, kvcaches, slot_mapping
         self.num_tokens = len(tokens)
-        self._retriever = engine.retrieve_layer(tokens, flush_to_paged=False, kvcaches=kvcaches,
+        self._retriever = engine.retrieve_layer(tokens, write_paged=False, kvcaches=kvcaches,
                                                 slot_mapping=slot_mapping, **retrieve_kwargs)
         self._kv = torch.zeros((2, self.num_tokens, connector.hidden_dim_size), dtype=connector.dtype, device=device)
         self._primed = False
@@ -228,7 +228,7 @@ class LMCBlender:
         buffer connector, blend, write the blended KV into the paged cache at `slot_mapping`.
 
         Needs the engine to key with `SegmentTokenDatabase` (segments stored at positions 0..n-1)
-        and the connector to record `loaded_ranges`. Partly untested (see the module README notes).
+        and the connector to record `loaded_ranges` (the buffer connector does).
         """
         if self.engine is None or self.gpu_connector is None:
             raise RuntimeError("blend_request needs the blender built with an engine and its gpu_connector")
@@ -245,21 +245,11 @@ class LMCBlender:
 
 
 class LMCBlenderBuilder:
-    """Process-wide registry of blenders by instance id (one per vLLM worker), as LMCache's.
-
-    The model comes from `register_model(instance_id, model)` (the package's vLLM plugin calls it
-    from the wrapped `load_model`) unless given here; a missing model is a clear error at creation,
-    not a crash in the middle of a request (LMCache issue #4131).
-    """
+    """Process-wide registry of blenders by instance id (one per vLLM worker), as LMCache's. The
+    worker passes vLLM's loaded model (captured by the package's plugin) when it builds one."""
 
     _blenders: dict[str, LMCBlender] = {}
-    _models: dict[str, Any] = {}
     _lock = threading.Lock()
-
-    @classmethod
-    def register_model(cls, instance_id: str, model: Any) -> None:
-        with cls._lock:
-            cls._models[instance_id] = model
 
     @classmethod
     def get_or_create(cls, instance_id: str, engine: Any, gpu_connector: Any, config: Any,
@@ -267,12 +257,8 @@ class LMCBlenderBuilder:
         with cls._lock:
             blender = cls._blenders.get(instance_id)
             if blender is None:
-                model = model if model is not None else cls._models.get(instance_id)
-                if model is None:
-                    raise RuntimeError(
-                        f"no model registered for blending instance {instance_id!r}: the worker must call "
-                        "LMCBlenderBuilder.register_model(instance_id, model) after loading the model "
-                        "(the lmcache_triton vLLM plugin does this when enable_blending is set)")
+                if model is None:  # a clear error at creation, not a crash mid-request (LMCache #4131)
+                    raise RuntimeError(f"blending instance {instance_id!r} needs the loaded model: pass model=")
                 blender = cls._blenders[instance_id] = LMCBlender(model, config, engine, gpu_connector)
             return blender
 
@@ -285,4 +271,3 @@ class LMCBlenderBuilder:
     def destroy(cls, instance_id: str) -> None:
         with cls._lock:
             cls._blenders.pop(instance_id, None)
-            cls._models.pop(instance_id, None)

@@ -1,4 +1,10 @@
-"""LMCacheEngine: token ids -> chunk keys -> GPU connector (gather/scatter) -> StorageManager."""
+"""LMCacheEngine: token ids -> chunk keys -> GPU connector (gather/scatter) -> StorageManager.
+
+One store loop and one retrieve loop serve both modes: the GPU connector says how many steps a
+move takes (1 for all layers at once, L for layerwise) and the engine yields between them, so
+`store`/`retrieve` run the loops to the end and `store_layer`/`retrieve_layer` hand them to a
+caller that interleaves them with the model's layers.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +14,41 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from lmcache_triton.observability import prometheus as metrics
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, VLLMPagedMemLayerwiseGPUConnector
-from lmcache_triton.storage.memory import MemoryObj
-from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.observability.stats import LMCStatsMonitor
+from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, KVTarget
 from lmcache_triton.engine.reservations import LookupReservations
+from lmcache_triton.engine.token_database import ChunkedTokenDatabase, TokenDatabase
+from lmcache_triton.keys import CacheEngineKey, KeyScope, MMSpan
+from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.observability.stats import EngineSnapshot, LMCStatsMonitor
 from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
-from lmcache_triton.engine.token_database import CacheEngineKey, ChunkedTokenDatabase
+from lmcache_triton.storage.memory import MemoryObj
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 logger = logging.getLogger("lmcache_triton")
 
 Tokens = torch.Tensor | Sequence[int]
+# Re-rotates a stored object's K (`[T, hidden]`, computed at positions start..) to positions 0..
+KeyRotation = Callable[[torch.Tensor, int], None]
 
 
-def _drain(gen: Generator[Any, None, Any]) -> Any:
+class KeyScopeArgs(TypedDict, total=False):
+    """The keyword arguments that name a request's keys besides its tokens (see `KeyScope`)."""
+
+    namespace: str
+    adapter: str
+    mm_spans: Sequence[MMSpan] | None
+    extra_hashes: Sequence[bytes] | None
+
+
+def _drain(gen: Generator) -> object:
     """Runs a generator to its end and returns its return value."""
     while True:
         try:
@@ -57,20 +78,41 @@ _VERIFY_TOLERANCE = {  # max |fresh - stored| / max |stored| per chunk: recomput
 _VERIFY_TOLERANCE_1BYTE = 0.25  # fp8 caches
 
 
+@dataclass(frozen=True)
+class CacheMode:
+    """How an engine keys and reuses chunks, fixed when it is built.
+
+    Prefix mode (the default): `ChunkedTokenDatabase`, chunks reused behind the same prefix.
+    CacheBlend's segment mode: a `SegmentTokenDatabase` and the model's `key_rotation`, which
+    stores each segment's K as if it started at position 0 so the blender can move it anywhere."""
+
+    token_database: TokenDatabase
+    key_rotation: KeyRotation | None = None
+
+    @classmethod
+    def prefix(cls, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
+               gpu_connector: GPUConnectorInterface) -> CacheMode:
+        return cls(ChunkedTokenDatabase(config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk,
+                                        fmt=gpu_connector.fmt, namespace_secret=config.namespace_secret))
+
+    @property
+    def prefix_chain(self) -> bool:
+        return self.token_database.prefix_chain
+
+
 class LMCacheEngine:
     """Stores and retrieves the KV of token sequences, chunk by chunk.
 
-    Keyword arguments of store/retrieve/store_layer/retrieve_layer/lookup go to the GPU connector
-    (`kvcaches`, `slot_mapping`, `offset`), except those that name the keys: `namespace` (the
-    request's cache salt: keys in one namespace never match another's; keys carry only a keyed
-    digest of it), `adapter` (the LoRA adapter: its KV is not the base model's), `mm_spans`
-    (multimodal inputs' placeholder spans and hashes) and `extra_hashes` (per-chunk bytes folded
-    into the key).
+    Every call names its keys with `KeyScopeArgs`: `namespace` (the request's cache salt: keys in
+    one namespace never match another's; keys carry only a keyed digest of it), `adapter` (the
+    LoRA adapter), `mm_spans` (multimodal placeholder spans and hashes) and `extra_hashes`.
+    Loads and saves take vLLM's paged cache as `kvcaches`, `slot_mapping` (slot of token
+    `offset + i` at index i) and `offset`.
     """
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
                  gpu_connector: GPUConnectorInterface, *, storage_manager: StorageManager | None = None,
-                 token_database: Any = None) -> None:
+                 mode: CacheMode | None = None) -> None:
         if config.chunk_size != metadata.chunk_size:
             raise ValueError(
                 f"config chunk_size={config.chunk_size} differs from metadata kv_shape[2]={metadata.chunk_size}"
@@ -80,135 +122,221 @@ class LMCacheEngine:
         self.config = config
         self.metadata = metadata
         self.gpu_connector = gpu_connector
-        self.layerwise = isinstance(gpu_connector, VLLMPagedMemLayerwiseGPUConnector)
-        # A ChunkedTokenDatabase (prefix reuse), or CacheBlend's SegmentTokenDatabase: segments are
-        # reusable wherever they appear, so a missing one does not end a lookup or a load.
-        self.token_database = token_database or ChunkedTokenDatabase(
-            config.chunk_size, metadata, save_unfull_chunk=config.save_unfull_chunk, fmt=gpu_connector.fmt,
-            namespace_secret=config.namespace_secret,
-        )
-        self.prefix_chain = self.token_database.prefix_chain
-        # Set by CacheBlend: re-rotates a stored segment's K (`[T, hidden]`, computed at positions
-        # start..) to positions 0.., so the blender can move it to wherever it appears next.
-        self.key_rotation: Callable[[torch.Tensor, int], None] | None = None
+        self.mode = mode or CacheMode.prefix(config, metadata, gpu_connector)
+        if self.mode.token_database.fmt != gpu_connector.fmt.value:
+            raise ValueError(f"the token database keys {self.mode.token_database.fmt} objects, "
+                             f"the GPU connector moves {gpu_connector.fmt.value}")
+        if self.mode.key_rotation is not None:
+            if gpu_connector.steps != gpu_connector.num_layers or gpu_connector.use_mla:
+                raise ValueError("key_rotation (CacheBlend) needs a layerwise, non-MLA GPU connector")
         self.storage_manager = storage_manager or StorageManager(config, metadata)
-        self.stats_monitor = LMCStatsMonitor(labels=(metadata.model_name, str(metadata.worker_id)))
+        self.stats_monitor = LMCStatsMonitor()
         self.reservations = LookupReservations(self.storage_manager.release, config.reservation_lease_secs)
         self._verify_logged: set[CacheEngineKey] = set()
-        metrics.track(self)
-        if config.prometheus_port is not None:
-            metrics.serve(config.prometheus_port + metadata.worker_id)
         logger.info(
             "lmcache_triton engine: model=%s rank=%d/%d dtype=%s kv_shape=%s connector=%s layout=%s config: %s",
             metadata.model_name, metadata.worker_id, metadata.world_size, metadata.dtype_name,
             metadata.kv_shape, type(gpu_connector).__name__, gpu_connector.layout, config,
         )
 
+    @property
+    def token_database(self) -> TokenDatabase:
+        return self.mode.token_database
+
+    @property
+    def prefix_chain(self) -> bool:
+        return self.mode.prefix_chain
+
+    @property
+    def layerwise(self) -> bool:
+        """One object per (chunk, layer), moved one layer per step."""
+        return self.gpu_connector.steps > 1
+
     # ---- helpers -------------------------------------------------------------------------------
-    def _chunks(self, tokens: Tokens, mask: torch.Tensor | None, kwargs: dict[str, Any]):
-        return self.token_database.process_tokens(
-            tokens, mask, namespace=kwargs.pop("namespace", "") or "", extra_hashes=kwargs.pop("extra_hashes", None),
-            adapter=kwargs.pop("adapter", "") or "", mm_spans=kwargs.pop("mm_spans", None),
-        )
+    def _chunks(self, tokens: Tokens, mask: torch.Tensor | None, scope: KeyScope):
+        return self.token_database.process_tokens(tokens, mask, scope)
 
     def _object_keys(self, key: CacheEngineKey) -> list[CacheEngineKey]:
-        """The storage keys of one chunk: itself, or one per layer in the layerwise mode."""
+        """The storage keys of one chunk: one per step (itself, or one per layer)."""
         if self.layerwise:
             return [key.with_layer(layer) for layer in range(self.metadata.num_layers)]
         return [key]
 
-    def _check_caches(self, kwargs: dict[str, Any]) -> None:
-        if "kvcaches" in kwargs:
-            self.gpu_connector.check_caches(kwargs["kvcaches"])
+    def _target(self, kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, offset: int,
+                write_paged: bool = True) -> KVTarget:
+        self.gpu_connector.check_caches(kvcaches)
+        return KVTarget(kvcaches, slot_mapping, offset, write_paged)
 
     def _allocate(self, num_tokens: int) -> MemoryObj | None:
-        obj = self.storage_manager.allocate(self.gpu_connector.get_shape(num_tokens), self.metadata.kv_dtype,
-                                            self.gpu_connector.fmt)
-        if obj is None and self.reservations.reap():  # expired lookup holds may be what fills the tier
-            obj = self.storage_manager.allocate(self.gpu_connector.get_shape(num_tokens), self.metadata.kv_dtype,
-                                                self.gpu_connector.fmt)
+        shape = self.gpu_connector.get_shape(num_tokens)
+        obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, self.gpu_connector.fmt)
+        if obj is None and self.reservations.reap():  # expired reservations may be what fills the tier
+            obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, self.gpu_connector.fmt)
         return obj
 
-    # ---- all layers at once --------------------------------------------------------------------
-    @torch.inference_mode()
-    def store(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
-        """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now.
-
-        Runs inside vLLM's step: whether a chunk is stored is asked of memory only (the CPU tier,
-        the disk's index), never of a remote; the remote's writer skips what it already holds."""
-        if self.layerwise:
-            return _drain(self.store_layer(tokens, mask, **kwargs))
-        self._check_caches(kwargs)
+    # ---- the store loop ------------------------------------------------------------------------
+    def _store_steps(self, tokens: Tokens, mask: torch.Tensor | None, target: KVTarget,
+                     scope: KeyScope) -> Generator[None, None, int]:
+        """Saves every chunk of `tokens` not yet stored, one connector step per `next()`; returns
+        the tokens stored. Whether a chunk is stored is asked of memory only (the CPU tier, the
+        disk's index), never of a remote: this runs inside vLLM's step."""
         t0 = time.perf_counter()
-        stored: list[tuple[CacheEngineKey, MemoryObj]] = []
-        num_tokens = refusals = 0
-        chunks = list(self._chunks(tokens, mask, kwargs))
-        present = self.storage_manager.contains_in_memory([key for _, _, key in chunks])
+        steps = self.gpu_connector.steps
+        chunks = [(start, end, self._object_keys(key)) for start, end, key in self._chunks(tokens, mask, scope)]
+        present = self.storage_manager.contains_in_memory([k for *_, keys in chunks for k in keys])
+        starts: list[int] = []
+        ends: list[int] = []
+        keys_by_chunk: list[list[CacheEngineKey]] = []
+        objs_by_chunk: list[list[MemoryObj]] = []
+        refusals = 0
+        complete = False
         try:
-            for (start, end, key), already in zip(chunks, present):
-                if already:
+            for i, (start, end, keys) in enumerate(chunks):
+                if all(present[i * steps:(i + 1) * steps]):
                     continue
-                obj = self._allocate(end - start)
-                if obj is None:  # the tier is full of held chunks: later chunks are useless without this one
+                objs: list[MemoryObj] = []
+                objs_by_chunk.append(objs)  # freed by the finally below if anything fails
+                while len(objs) < steps and (obj := self._allocate(end - start)) is not None:
+                    objs.append(obj)
+                if len(objs) < steps:  # the tier is full of held chunks: later chunks are useless without this one
+                    for obj in objs_by_chunk.pop():
+                        obj.free()
                     refusals += 1
-                    self.storage_manager.note_miss(key, MISS_REFUSED)
+                    self.storage_manager.note_miss(keys[len(objs)], MISS_REFUSED)
                     break
-                stored.append((key, obj))
-                self.gpu_connector.from_gpu(obj, start, end, **kwargs)
-                num_tokens += end - start
-            _sync(kwargs.get("kvcaches"))
-        except BaseException:  # nothing was put: the objects are still ours to free
-            for _, obj in stored:
-                obj.free()
-            raise
-        nbytes = sum(obj.tensor.nbytes for _, obj in stored)
-        self.storage_manager.batched_put([k for k, _ in stored], [o for _, o in stored])
-        self.stats_monitor.on_store(num_tokens, nbytes, time.perf_counter() - t0, refusals)
-        return num_tokens
+                starts.append(start)
+                ends.append(end)
+                keys_by_chunk.append(keys)
+            by_step = [[objs[step] for objs in objs_by_chunk] for step in range(steps)]
+            mover = self.gpu_connector.batched_from_gpu(by_step, starts, ends, target)
+            for _ in range(steps):
+                next(mover)
+                yield
+            # One wait for all steps' copies, after the last: a wait per layer would stall the
+            # forward between layers. Only then do the chunks become visible to readers.
+            _sync(target.kvcaches)
+            if self.mode.key_rotation is not None:
+                for objs_of_step in by_step:
+                    for obj, start in zip(objs_of_step, starts):
+                        self.mode.key_rotation(self.gpu_connector.key_view(obj), start)
+            for step, objs_of_step in enumerate(by_step):
+                self.storage_manager.batched_put([keys[step] for keys in keys_by_chunk], objs_of_step)
+            complete = True
+        finally:  # closed early or failed: nothing was put, so the objects are still ours to free
+            if not complete:
+                _sync(target.kvcaches)
+                for obj in (o for objs in objs_by_chunk for o in objs):
+                    obj.free()
+        stored = sum(e - s for s, e in zip(starts, ends))
+        self.stats_monitor.on_store(stored, stored * self.metadata.bytes_per_token(),
+                                    time.perf_counter() - t0, refusals)
+        return stored
 
     @torch.inference_mode()
-    def retrieve(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        """Loads the longest stored prefix into the paged cache; returns a bool mask of loaded tokens."""
-        if self.layerwise:
-            ret = None
-            for ret in self.retrieve_layer(tokens, mask, **kwargs):
-                pass
-            return ret
-        self._check_caches(kwargs)
+    def store(self, tokens: Tokens, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
+              slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> int:
+        """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now.
+        `mask` (False...False True...True) skips a chunk-aligned prefix vLLM already saved."""
+        return _drain(self._store_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
+                                        KeyScope(**scope)))
+
+    def store_layer(self, tokens: Tokens, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
+                    slot_mapping: torch.Tensor, offset: int = 0,
+                    **scope: Unpack[KeyScopeArgs]) -> Generator[None, None, int]:
+        """`store` as a generator for the layerwise connectors: each `next()` saves one layer of
+        every new chunk (layer 0 first), so vLLM can call it from `save_kv_layer`."""
+        if not self.layerwise:
+            raise RuntimeError("store_layer needs a layerwise GPU connector (config use_layerwise: true)")
+        target = self._target(kvcaches, slot_mapping, offset)
+        with torch.inference_mode():
+            yield from self._store_steps(tokens, mask, target, KeyScope(**scope))
+
+    # ---- the retrieve loop ---------------------------------------------------------------------
+    def _retrieve_steps(self, tokens: Tokens, mask: torch.Tensor | None, target: KVTarget,
+                        scope: KeyScope) -> Generator[torch.Tensor | None, None, None]:
+        """Loads the stored chunks of `tokens` (the longest prefix in prefix mode), one connector
+        step per `next()` (yielding None), then yields the bool mask of loaded tokens."""
         t0 = time.perf_counter()
+        steps = self.gpu_connector.steps
         ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
         requested = len(tokens) - (0 if mask is None else int((~mask.bool()).sum()))
-        used: list[tuple[CacheEngineKey, MemoryObj]] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        held: list[tuple[list[CacheEngineKey], list[MemoryObj]]] = []
         try:
-            for start, end, key in self._chunks(tokens, mask, kwargs):
-                obj = self.storage_manager.get(key)
-                if obj is None:
+            for start, end, key in self._chunks(tokens, mask, scope):
+                keys = self._object_keys(key)
+                objs: list[MemoryObj] = []
+                held.append((keys, objs))  # released by the finally below, loaded or not
+                while len(objs) < steps and (obj := self.storage_manager.get(keys[len(objs)])) is not None:
+                    objs.append(obj)
+                if len(objs) < steps:
+                    held.pop()
+                    for k, obj in zip(keys, objs):
+                        self.storage_manager.release(k, obj)
                     if self.prefix_chain:
                         break
                     continue
-                used.append((key, obj))
-                self.gpu_connector.to_gpu(obj, start, end, **kwargs)
+                starts.append(start)
+                ends.append(end)
                 ret_mask[start:end] = True
-            _sync(kwargs.get("kvcaches"))
+            by_step = [[objs[step] for _, objs in held] for step in range(steps)]
+            mover = self.gpu_connector.batched_to_gpu(by_step, starts, ends, target)
+            for _ in range(steps):
+                next(mover)  # the connector orders vLLM's stream after this step's copy
+                yield None
         finally:
-            for key, obj in used:
-                self.storage_manager.release(key, obj)
+            # The copies read the objects until they land: one wait, then release every hold
+            # (also when the generator is closed early or fails).
+            _sync(target.kvcaches)
+            for keys, objs in held:
+                for k, obj in zip(keys, objs):
+                    self.storage_manager.release(k, obj)
         hit = int(ret_mask.sum())
         self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
                                        time.perf_counter() - t0)
-        return ret_mask
+        yield ret_mask
 
-    def lookup(self, tokens: Tokens, reserve: bool = False, *, lookup_id: str | None = None, **kwargs: Any) -> int:
+    @torch.inference_mode()
+    def retrieve(self, tokens: Tokens, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
+                 slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> torch.Tensor:
+        """Loads the longest stored prefix into the paged cache; returns a bool mask of loaded tokens."""
+        out = None
+        for out in self._retrieve_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
+                                        KeyScope(**scope)):
+            pass
+        return out
+
+    def retrieve_layer(self, tokens: Tokens, mask: torch.Tensor | None = None, *,
+                       kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, offset: int = 0,
+                       write_paged: bool = True,
+                       **scope: Unpack[KeyScopeArgs]) -> Generator[torch.Tensor | None, None, None]:
+        """`retrieve` as a generator for the layerwise connectors: yields None after each layer is
+        loaded (layer 0 first), then the mask. vLLM's worker calls `next()` before the forward and
+        once per `wait_for_layer_load`. `write_paged=False` (the blender) leaves the KV in the
+        buffer connector's layer buffer."""
+        if not self.layerwise:
+            raise RuntimeError("retrieve_layer needs a layerwise GPU connector (config use_layerwise: true)")
+        target = self._target(kvcaches, slot_mapping, offset, write_paged)
+        with torch.inference_mode():
+            yield from self._retrieve_steps(tokens, mask, target, KeyScope(**scope))
+
+    # ---- lookup --------------------------------------------------------------------------------
+    def lookup(self, tokens: Tokens, reserve: bool = False, *, lookup_id: str | None = None,
+               **scope: Unpack[KeyScopeArgs]) -> int:
         """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
-        partial chunk). With `reserve`, the chunks it reports stay in the CPU tier until
-        `release_reservation(lookup_id)`, or at most `reservation_lease_secs`, so the load that follows finds them.
-        Missed tokens are counted by why they missed."""
+        partial chunk); in segment mode, the tokens of the stored segments. With `reserve`, the
+        chunks it reports stay held in the CPU tier until `release_reservation(lookup_id)`, or at
+        most `reservation_lease_secs`, so the load that follows finds them. Missed tokens are
+        counted by why they missed."""
         t0 = time.perf_counter()
         hit = 0
         lease = self.reservations.begin(lookup_id or "") if reserve else None
         misses: Counter[str] = Counter()
+        spans = self.token_database.spans(tokens)
+        covered = spans[-1][1] if spans and self.prefix_chain else sum(e - s for s, e in spans)
         try:
-            for start, end, key in self._chunks(tokens, None, kwargs):
+            for start, end, key in self._chunks(tokens, None, KeyScope(**scope)):
                 keys = self._object_keys(key)
                 held: list | None = [] if lease is not None else None
                 n = self.storage_manager.batched_contains(keys, held=held)
@@ -217,7 +345,7 @@ class LMCacheEngine:
                 if n < len(keys):
                     reason = self.storage_manager.miss_reason(keys[n])
                     if self.prefix_chain:
-                        misses[reason] += self._chunk_end(tokens) - start  # the rest is unusable behind it
+                        misses[reason] += covered - start  # the rest is unusable behind it
                         break
                     misses[reason] += end - start
                     continue
@@ -225,42 +353,35 @@ class LMCacheEngine:
         finally:
             if lease is not None:
                 self.reservations.end(lease)
-        if self.prefix_chain:  # the tail of a partial chunk (save_unfull_chunk off) is never stored
-            misses[MISS_PARTIAL] += len(tokens) - self._chunk_end(tokens)
-        else:  # separators and segments too short to cache
-            misses[MISS_BLEND] += len(tokens) - sum(e - s for s, e in self.token_database.segment_bounds(tokens))
+        # prefix: the tail of a partial chunk (save_unfull_chunk off) is never stored;
+        # segments: separators and segments too short to cache
+        misses[MISS_PARTIAL if self.prefix_chain else MISS_BLEND] += len(tokens) - covered
         self.stats_monitor.on_lookup(len(tokens), hit, time.perf_counter() - t0, misses)
         return hit
 
-    def _chunk_end(self, tokens: Tokens) -> int:
-        bounds = self.token_database.chunk_bounds(len(tokens))
-        return bounds[-1][1] if bounds else 0
-
     def release_reservation(self, lookup_id: str | None = None) -> None:
-        """Releases the holds a `lookup(reserve=True, lookup_id=...)` took, took meanwhile, or will take."""
+        """Releases the holds a `lookup(reserve=True, lookup_id=...)` took, takes meanwhile, or will take."""
         self.reservations.release(lookup_id or "")
 
     # ---- verified hits -------------------------------------------------------------------------
     @torch.inference_mode()
-    def verify(self, tokens: Tokens, **kwargs: Any) -> tuple[int, int]:
+    def verify(self, tokens: Tokens, *, kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+               offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> tuple[int, int]:
         """Compares each stored chunk of `tokens` held in the CPU tier with the KV vLLM has just
         computed for those tokens (gathered from the paged cache as a store would); returns
         (chunks checked, mismatches). A mismatching chunk is logged once, counted, and removed
         from every tier, so it is never served again."""
-        self._check_caches(kwargs)
+        target = self._target(kvcaches, slot_mapping, offset)
         checked = mismatched = 0
-        for start, end, key in self._chunks(tokens, None, kwargs):
+        for start, end, key in self._chunks(tokens, None, KeyScope(**scope)):
             keys = self._object_keys(key)
             stored = [self.storage_manager.get_in_memory(k) for k in keys]  # no I/O: this is vLLM's step
             try:
                 if any(obj is None for obj in stored):
                     continue
                 fresh = [MemoryObj(torch.empty(obj.shape, dtype=obj.dtype), obj.fmt) for obj in stored]
-                if self.layerwise:
-                    _drain(self.gpu_connector.batched_from_gpu([[f] for f in fresh], [start], [end], **kwargs))
-                else:
-                    self.gpu_connector.from_gpu(fresh[0], start, end, **kwargs)
-                _sync(kwargs.get("kvcaches"))
+                _drain(self.gpu_connector.batched_from_gpu([[f] for f in fresh], [start], [end], target))
+                _sync(kvcaches)
                 error = max(_relative_error(f.tensor, obj.tensor) for f, obj in zip(fresh, stored))
             finally:
                 for k, obj in zip(keys, stored):
@@ -279,124 +400,17 @@ class LMCacheEngine:
         self.stats_monitor.on_verify(checked, mismatched)
         return checked, mismatched
 
-    # ---- layerwise -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def store_layer(self, tokens: Tokens, mask: torch.Tensor | None = None, **kwargs: Any) -> Generator[None, None, int]:
-        """Generator: each `next()` saves one layer of every new chunk (layer 0 first), so vLLM can
-        call it from `save_kv_layer` after each layer's forward. One object per (chunk, layer)."""
-        if not self.layerwise:
-            raise RuntimeError("store_layer needs a layerwise GPU connector (config use_layerwise: true)")
-        self._check_caches(kwargs)
-        t0 = time.perf_counter()
-        num_layers = self.metadata.num_layers
-        starts: list[int] = []
-        ends: list[int] = []
-        keys: list[CacheEngineKey] = []
-        objs_by_chunk: list[list[MemoryObj]] = []
-        refusals = 0
-        for start, end, key in self._chunks(tokens, mask, kwargs):
-            layer_keys = self._object_keys(key)
-            if all(self.storage_manager.contains_in_memory(layer_keys)):
-                continue
-            objs = []
-            for _ in range(num_layers):
-                obj = self._allocate(end - start)
-                if obj is None:
-                    break
-                objs.append(obj)
-            if len(objs) < num_layers:
-                for obj in objs:
-                    obj.free()
-                refusals += 1
-                self.storage_manager.note_miss(layer_keys[len(objs)], MISS_REFUSED)
-                break
-            starts.append(start)
-            ends.append(end)
-            keys.append(key)
-            objs_by_chunk.append(objs)
-        by_layer = [[objs[layer] for objs in objs_by_chunk] for layer in range(num_layers)]
-        mover = self.gpu_connector.batched_from_gpu(by_layer, starts, ends, **kwargs)
-        complete = False
-        try:
-            for layer in range(num_layers):
-                next(mover)
-                yield
-            # One wait for all layers' copies, after the last one: a wait per layer would stall
-            # the forward between layers. Only then do the chunks become visible to readers.
-            _sync(kwargs.get("kvcaches"))
-            for layer in range(num_layers):
-                if self.key_rotation is not None:
-                    for obj, start in zip(by_layer[layer], starts):
-                        self.key_rotation(obj.tensor[:, 0], start)
-                self.storage_manager.batched_put([k.with_layer(layer) for k in keys], by_layer[layer])
-            complete = True
-        finally:  # closed early or failed: nothing was put, so the objects are still ours to free
-            if not complete:
-                _sync(kwargs.get("kvcaches"))
-                for obj in (o for objs in objs_by_chunk for o in objs):
-                    obj.free()
-        stored = sum(e - s for s, e in zip(starts, ends))
-        self.stats_monitor.on_store(stored, stored * self.metadata.bytes_per_token(),
-                                    time.perf_counter() - t0, refusals)
-        return stored
-
-    @torch.inference_mode()
-    def retrieve_layer(self, tokens: Tokens, mask: torch.Tensor | None = None,
-                       **kwargs: Any) -> Generator[torch.Tensor | None, None, None]:
-        """Generator: yields None after each layer is loaded (layer 0 first), then the ret_mask.
-
-        vLLM's worker calls `next()` before the forward and once per `wait_for_layer_load`."""
-        if not self.layerwise:
-            raise RuntimeError("retrieve_layer needs a layerwise GPU connector (config use_layerwise: true)")
-        self._check_caches(kwargs)
-        t0 = time.perf_counter()
-        num_layers = self.metadata.num_layers
-        ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
-        requested = len(tokens) - (0 if mask is None else int((~mask.bool()).sum()))
-        starts: list[int] = []
-        ends: list[int] = []
-        keys: list[CacheEngineKey] = []
-        objs_by_chunk: list[list[MemoryObj]] = []
-        for start, end, key in self._chunks(tokens, mask, kwargs):
-            layer_keys = self._object_keys(key)
-            objs = []
-            for k in layer_keys:
-                obj = self.storage_manager.get(k)
-                if obj is None:
-                    break
-                objs.append(obj)
-            if len(objs) < num_layers:
-                for k, obj in zip(layer_keys, objs):
-                    self.storage_manager.release(k, obj)
-                if self.prefix_chain:
-                    break
-                continue
-            starts.append(start)
-            ends.append(end)
-            keys.append(key)
-            objs_by_chunk.append(objs)
-            ret_mask[start:end] = True
-        by_layer = [[objs[layer] for objs in objs_by_chunk] for layer in range(num_layers)]
-        mover = self.gpu_connector.batched_to_gpu(by_layer, starts, ends, **kwargs)
-        try:
-            for layer in range(num_layers):
-                next(mover)  # the connector orders vLLM's stream after this layer's copy
-                yield None
-        finally:
-            # The copies read the objects until they land: one wait, then release every hold (also
-            # when the generator is closed early or fails).
-            _sync(kwargs.get("kvcaches"))
-            for layer in range(num_layers):
-                for k, obj in zip(keys, by_layer[layer]):
-                    self.storage_manager.release(k.with_layer(layer), obj)
-        hit = int(ret_mask.sum())
-        self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
-                                       time.perf_counter() - t0)
-        yield ret_mask
-
     # ---- lifecycle -----------------------------------------------------------------------------
     def get_stats(self):
         return self.stats_monitor.get_stats()
+
+    def snapshot(self) -> EngineSnapshot:
+        """Everything an exporter reads, at one time: the stats, each tier's, and the reservations
+        (expired leases are reaped first, so a lease past its bound shows as released)."""
+        self.reservations.reap()
+        return EngineSnapshot(model=self.metadata.model_name, rank=self.metadata.worker_id,
+                              stats=self.get_stats(), tiers=self.storage_manager.usage(),
+                              expired_reservations=self.reservations.expired_leases)
 
     def close(self) -> None:
         self.reservations.release_everything()
@@ -411,11 +425,12 @@ class LMCacheEngineBuilder:
 
     @classmethod
     def get_or_create(cls, instance_id: str, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
-                      gpu_connector: GPUConnectorInterface, token_database: Any = None) -> LMCacheEngine:
+                      gpu_connector: GPUConnectorInterface, mode: CacheMode | None = None) -> LMCacheEngine:
+        """The engine of `instance_id`, built on first use (in `mode`, prefix reuse by default)."""
         with cls._lock:
             engine = cls._engines.get(instance_id)
             if engine is None:
-                engine = LMCacheEngine(config, metadata, gpu_connector, token_database=token_database)
+                engine = LMCacheEngine(config, metadata, gpu_connector, mode=mode)
                 cls._engines[instance_id] = engine
             elif engine.config != config or engine.metadata != metadata:
                 raise ValueError(
@@ -429,8 +444,18 @@ class LMCacheEngineBuilder:
             return cls._engines.get(instance_id)
 
     @classmethod
+    def instance_ids(cls) -> list[str]:
+        with cls._lock:
+            return list(cls._engines)
+
+    @classmethod
     def destroy(cls, instance_id: str) -> None:
         with cls._lock:
             engine = cls._engines.pop(instance_id, None)
         if engine is not None:
             engine.close()
+
+    @classmethod
+    def destroy_all(cls) -> None:
+        for instance_id in cls.instance_ids():
+            cls.destroy(instance_id)

@@ -1,21 +1,24 @@
-"""GPU connectors: move one chunk between vLLM's paged KV cache and a chunk tensor (MemoryObj).
+"""GPU connectors: move chunks between vLLM's paged KV cache and chunk tensors (MemoryObj).
 
 They hold the geometry and call the launchers of `lmcache_triton.kernels` (Triton on CUDA tensors,
 the torch reference on CPU tensors). The engine picks one from the config, as LMCache does:
 
-- VLLMPagedMemGPUConnectorV2: all layers of a chunk in one launch (KV_2LTD / KV_MLA); the default.
-- VLLMPagedMemLayerwiseGPUConnector: one layer per generator step (KV_T2D), so that loading layer
-  i+1 overlaps the forward of layer i (use_layerwise).
+- VLLMPagedMemGPUConnectorV2: all layers of a chunk in one object and one step (KV_2LTD / KV_MLA);
+  the default.
+- VLLMPagedMemLayerwiseGPUConnector: one object per (chunk, layer), one layer per step (KV_T2D),
+  so that loading layer i+1 overlaps the forward of layer i (use_layerwise).
 - VLLMBufferLayerwiseGPUConnector: layerwise into a contiguous buffer the blender reads
   (enable_blending).
 
-Every call takes the kwargs the engine passes through: `kvcaches` (vLLM's per-layer tensors, in
-layer order), `slot_mapping` (slot of token `offset + i` at index i) and `offset` (default 0).
+The engine drives every connector the same way: `batched_from_gpu` / `batched_to_gpu` are
+generators over `steps` steps; step i moves object i of every chunk (objs[step][chunk]).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,25 +32,36 @@ from lmcache_triton.kernels import (
     paged_scatter,
     paged_scatter_layer,
 )
-from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
+
+Steps = Generator[None, None, None]
 
 
-def _kwargs(kwargs: dict[str, Any], start: int, end: int) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
-    try:
-        kvcaches = kwargs["kvcaches"]
-        slot_mapping = kwargs["slot_mapping"]
-    except KeyError as e:
-        raise ValueError(f"GPU connector needs the keyword argument {e.args[0]!r}") from None
-    offset = int(kwargs.get("offset", 0))
-    if start < offset or end - offset > len(slot_mapping):
-        raise ValueError(
-            f"slot_mapping (length {len(slot_mapping)}, offset {offset}) does not cover tokens [{start}, {end})"
-        )
-    return kvcaches, slot_mapping[start - offset:end - offset]
+@dataclass(frozen=True)
+class KVTarget:
+    """A request's place in vLLM's paged cache: the per-layer tensors (layer order) and the slot
+    of token `offset + i` at index i of `slot_mapping`."""
+
+    kvcaches: Sequence[torch.Tensor]
+    slot_mapping: torch.Tensor
+    offset: int = 0
+    # Loads only: False leaves the KV in the buffer connector's layer buffer, for the blender to
+    # blend and then write into the paged cache itself.
+    write_paged: bool = True
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """The slots of tokens [start, end)."""
+        if start < self.offset or end - self.offset > len(self.slot_mapping):
+            raise ValueError(f"slot_mapping (length {len(self.slot_mapping)}, offset {self.offset}) does not "
+                             f"cover tokens [{start}, {end})")
+        return self.slot_mapping[start - self.offset:end - self.offset]
 
 
-class GPUConnectorInterface:
+class GPUConnectorInterface(ABC):
+    """What the engine calls: the object format and shape, how many steps a move takes, and the
+    two batched moves."""
+
     fmt: MemoryFormat
 
     def __init__(self, *, hidden_dim_size: int, num_layers: int, chunk_size: int, dtype: torch.dtype,
@@ -68,6 +82,31 @@ class GPUConnectorInterface:
     def kv_count(self) -> int:
         return 1 if self.use_mla else 2
 
+    @property
+    @abstractmethod
+    def steps(self) -> int:
+        """Steps of one batched move, and objects per chunk: 1 (all layers) or num_layers (layerwise)."""
+
+    @abstractmethod
+    def get_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """The shape of one object of `num_tokens` tokens."""
+
+    @abstractmethod
+    def batched_from_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                         target: KVTarget) -> Steps:
+        """objs[step][chunk] <- the paged cache, tokens [starts[chunk], ends[chunk]); one step per next()."""
+
+    @abstractmethod
+    def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                       target: KVTarget) -> Steps:
+        """objs[step][chunk] -> the paged cache; one step per next()."""
+
+    def key_view(self, obj: MemoryObj) -> torch.Tensor:
+        """K of a layerwise object, `[T, hidden]` (CacheBlend re-rotates it)."""
+        if self.steps != self.num_layers or self.use_mla:
+            raise ValueError("K of an object is one tensor only for layerwise, non-MLA connectors")
+        return obj.tensor[:, 0]
+
     def check_caches(self, kvcaches: Sequence[torch.Tensor]) -> None:
         """Validates what vLLM handed over against the engine's metadata, naming what differs."""
         if len(kvcaches) != self.num_layers:
@@ -86,23 +125,53 @@ class GPUConnectorInterface:
             self.device = kvcaches[0].device
 
 
+def _paged_only(target: KVTarget) -> None:
+    if not target.write_paged:
+        raise ValueError("write_paged=False (load into a layer buffer only) needs the buffer connector "
+                         "(config enable_blending)")
+
+
 class VLLMPagedMemGPUConnectorV2(GPUConnectorInterface):
-    """All layers of a chunk per call: KV_2LTD `[2, L, T, hidden]`, or KV_MLA `[1, L, T, C]`."""
+    """All layers of a chunk per object and step: KV_2LTD `[2, L, T, hidden]`, or KV_MLA `[1, L, T, C]`."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.fmt = MemoryFormat.KV_MLA if self.use_mla else MemoryFormat.KV_2LTD
 
+    @property
+    def steps(self) -> int:
+        return 1
+
     def get_shape(self, num_tokens: int) -> tuple[int, ...]:
         return (self.kv_count, self.num_layers, num_tokens, self.hidden_dim_size)
 
-    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        kvcaches, slots = _kwargs(kwargs, start, end)
-        paged_gather(kvcaches, slots, self.layout, out=memory_obj.tensor)
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, *, kvcaches: Sequence[torch.Tensor],
+                 slot_mapping: torch.Tensor, offset: int = 0) -> None:
+        """One chunk <- the paged cache (LMCache's single-chunk call)."""
+        _drain(self.batched_from_gpu([[memory_obj]], [start], [end], KVTarget(kvcaches, slot_mapping, offset)))
 
-    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        kvcaches, slots = _kwargs(kwargs, start, end)
-        paged_scatter(memory_obj.tensor, kvcaches, slots, self.layout)
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, *, kvcaches: Sequence[torch.Tensor],
+               slot_mapping: torch.Tensor, offset: int = 0) -> None:
+        """One chunk -> the paged cache (LMCache's single-chunk call)."""
+        _drain(self.batched_to_gpu([[memory_obj]], [start], [end], KVTarget(kvcaches, slot_mapping, offset)))
+
+    def batched_from_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                         target: KVTarget) -> Steps:
+        for obj, start, end in zip(objs[0], starts, ends, strict=True):
+            paged_gather(target.kvcaches, target.slots(start, end), self.layout, out=obj.tensor)
+        yield
+
+    def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                       target: KVTarget) -> Steps:
+        _paged_only(target)
+        for obj, start, end in zip(objs[0], starts, ends, strict=True):
+            paged_scatter(obj.tensor, target.kvcaches, target.slots(start, end), self.layout)
+        yield
+
+
+def _drain(steps: Steps) -> None:
+    for _ in steps:
+        pass
 
 
 class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
@@ -123,6 +192,10 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
         super().__init__(**kw)
         self.fmt = MemoryFormat.KV_MLA if self.use_mla else MemoryFormat.KV_T2D
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def steps(self) -> int:
+        return self.num_layers
 
     def get_shape(self, num_tokens: int) -> tuple[int, ...]:
         if self.use_mla:
@@ -170,31 +243,28 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
             current.wait_event(events[layer])
             yield
 
-    def batched_from_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
-                         ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
-        """memory_objs[layer][chunk] <- layer `layer` of the paged cache, one layer per step."""
-        parts = [_kwargs(kwargs, start, end) for start, end in zip(starts, ends, strict=True)]
-        kvcaches = kwargs["kvcaches"]
+    def batched_from_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                         target: KVTarget) -> Steps:
+        slots = [target.slots(start, end) for start, end in zip(starts, ends, strict=True)]
 
         def move(layer: int) -> None:
-            for obj, (caches, slots) in zip(memory_objs[layer], parts, strict=True):
-                paged_gather_layer(caches[layer], slots, self.layout, out=obj.tensor)
+            for obj, s in zip(objs[layer], slots, strict=True):
+                paged_gather_layer(target.kvcaches[layer], s, self.layout, out=obj.tensor)
 
-        yield from self._layered(len(memory_objs), kvcaches, move,
-                                 lambda layer: [o.tensor for o in memory_objs[layer]], ahead=0)
+        yield from self._layered(len(objs), target.kvcaches, move,
+                                 lambda layer: [o.tensor for o in objs[layer]], ahead=0)
 
-    def batched_to_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
-                       ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
-        """memory_objs[layer][chunk] -> layer `layer` of the paged cache, one layer per step."""
-        parts = [_kwargs(kwargs, start, end) for start, end in zip(starts, ends, strict=True)]
-        kvcaches = kwargs["kvcaches"]
+    def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                       target: KVTarget) -> Steps:
+        _paged_only(target)
+        slots = [target.slots(start, end) for start, end in zip(starts, ends, strict=True)]
 
         def move(layer: int) -> None:
-            for obj, (caches, slots) in zip(memory_objs[layer], parts, strict=True):
-                paged_scatter_layer(obj.tensor, caches[layer], slots, self.layout)
+            for obj, s in zip(objs[layer], slots, strict=True):
+                paged_scatter_layer(obj.tensor, target.kvcaches[layer], s, self.layout)
 
-        yield from self._layered(len(memory_objs), kvcaches, move,
-                                 lambda layer: [o.tensor for o in memory_objs[layer]], ahead=1)
+        yield from self._layered(len(objs), target.kvcaches, move,
+                                 lambda layer: [o.tensor for o in objs[layer]], ahead=1)
 
 
 class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
@@ -203,9 +273,9 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
     `batched_to_gpu` step i puts layer i of the request's chunks, in token order, into a buffer
     `[2, T, hidden]` (MLA `[1, T, C]`), T = ends[-1] - starts[0] (buffer row j is token
     starts[0] + j, see `buffer_start`). `get_layer_buffer(layer)` returns it; `flush_layer_to_paged`
-    writes it into the paged cache with `paged_scatter_layer`. With the keyword `flush_to_paged=True`
-    (the default) each step also flushes, so `engine.retrieve` keeps its meaning (returned tokens
-    are in the paged cache); the blender passes `flush_to_paged=False` and flushes after blending.
+    writes it into the paged cache with `paged_scatter_layer`. With `KVTarget.write_paged` (the
+    default) each step also flushes, so `engine.retrieve` keeps its meaning (returned tokens are
+    in the paged cache); the blender loads with write_paged=False and flushes after blending.
 
     The buffers are a ring of `num_buffers` layers (default 3: at step i layer i+1 is already being
     loaded and layer i-1 may still be flushing), reused across requests and grown as needed, so a
@@ -252,33 +322,32 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
         chunk = buf[0] if self.use_mla else buf.permute(1, 0, 2)  # KV_T2D view [T, 2, hidden]
         paged_scatter_layer(chunk, kvcaches[layer], slot_mapping, self.layout)
 
-    def batched_to_gpu(self, memory_objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int],
-                       ends: Sequence[int], **kwargs: Any) -> Generator[None, None, None]:
-        """memory_objs[layer][chunk] -> the layer buffer (and, unless flush_to_paged=False, the
-        paged cache), one layer per step."""
-        flush = bool(kwargs.pop("flush_to_paged", True))
-        parts = [_kwargs(kwargs, start, end) for start, end in zip(starts, ends, strict=True)]
-        kvcaches = kwargs["kvcaches"]
+    def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
+                       target: KVTarget) -> Steps:
+        """objs[layer][chunk] -> the layer buffer (and, with target.write_paged, the paged cache),
+        one layer per step."""
+        kvcaches = target.kvcaches
+        parts = [target.slots(start, end) for start, end in zip(starts, ends, strict=True)]
         first = starts[0] if len(starts) else 0
         num_tokens = (ends[-1] - first) if len(ends) else 0
         buf = self._ensure_buffer(num_tokens, kvcaches[0].device)
         self._num_tokens, self.buffer_start = num_tokens, first
         self.loaded_ranges = list(zip(starts, ends))  # the blender's cached rows; gaps stay uncached
         self._resident = [None] * self.num_buffers
-        all_slots = torch.cat([slots for _, slots in parts]) if parts else None
+        all_slots = torch.cat(parts) if parts else None
 
         def move(layer: int) -> None:
             slot = layer % self.num_buffers
             dst = buf[slot]
-            for obj, start, end in zip(memory_objs[layer], starts, ends, strict=True):
+            for obj, start, end in zip(objs[layer], starts, ends, strict=True):
                 src = obj.tensor.unsqueeze(0) if self.use_mla else obj.tensor.permute(1, 0, 2)
                 dst[:, start - first:end - first].copy_(src, non_blocking=True)
             self._resident[slot] = layer
-            if flush and all_slots is not None and len(all_slots) == num_tokens:
+            if target.write_paged and all_slots is not None and len(all_slots) == num_tokens:
                 self.flush_layer_to_paged(layer, all_slots, kvcaches)
 
-        yield from self._layered(len(memory_objs), kvcaches, move,
-                                 lambda layer: [buf, *(o.tensor for o in memory_objs[layer])], ahead=1)
+        yield from self._layered(len(objs), kvcaches, move,
+                                 lambda layer: [buf, *(o.tensor for o in objs[layer])], ahead=1)
 
 
 def create_gpu_connector(config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, layout: str,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from lmcache_triton.storage.memory import MemoryObj
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 Hold = tuple[CacheEngineKey, MemoryObj]
 

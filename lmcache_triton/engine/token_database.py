@@ -1,172 +1,125 @@
-"""Token ids -> chunks -> keys.
+"""Token ids -> the spans an engine caches -> their keys.
 
-A key is derived from a prefix hash chain: chunk i's hash covers every token before its end, so a
-chunk can only be reused behind the same prefix. The hash is blake2b over the token ids as
-little-endian int64 bytes, which is the same in every process, across restarts and machines
-(LMCache uses Python's `hash()`, which changes with PYTHONHASHSEED).
+Two databases behind one protocol, chosen once when the engine is built:
+
+- `ChunkedTokenDatabase` (prefix reuse, LMCache's default): `chunk_size` chunks keyed by a prefix
+  hash chain, so chunk i is reused only behind the same chunks 0..i-1; a miss ends a load.
+- `SegmentTokenDatabase` (CacheBlend): the prompt is split at a separator and each segment is keyed
+  on its own tokens, so a document is a hit wherever it appears; a miss skips one segment.
+
+Segment rules (what a user caching documents relies on):
+- The separator is a token sequence: `blend_special_str` (" # # ") tokenized *without* special
+  tokens (LMCache drops the first id, assuming a BOS; that breaks for tokenizers that add none),
+  or the ids given directly. Separator tokens belong to no segment and are never cached.
+- A segment's hash is blake2b over b"segment" + the key scope's seed + its token ids; the tag
+  keeps a segment key from ever equalling a chunk key of the same tokens.
+- Segments shorter than `min_tokens` (config `blend_min_tokens`) are not cached: reusing a few
+  tokens saves less than a lookup, a load and a re-rotation cost.
+- The KV stored under a segment key is the segment's KV *as if it started at position 0*; the
+  blender re-rotates K to where the segment sits in each prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from urllib.parse import quote, unquote
+from typing import Any, Protocol
 
 import torch
 
-from lmcache_triton.storage.memory import MemoryFormat
+from lmcache_triton.keys import (
+    CacheEngineKey,
+    KeyScope,
+    chain_hash,
+    chain_seed,
+    identity_digest,
+    make_key,
+    namespace_digest,
+    spans_hash,
+)
 from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.storage.memory import MemoryFormat
+
+Tokens = torch.Tensor | Sequence[int]
+Span = tuple[int, int]
 
 _HASH_BYTES = 16
-_SEP = "@"
-# Bump when the key scheme changes, so old entries can never match. v2: the namespace is a keyed
-# digest (v1 wrote the cache_salt in clear) and `identity` names the model variant and adapter.
-_KEY_PREFIX = "lmct2"
-# The blake2b key of namespace digests when the config sets no `namespace_secret`.
-_NAMESPACE_KEY = b"lmcache-triton/namespace/v2"
-
-# A multimodal input's placeholder tokens: (offset, length, content hash).
-MMSpan = tuple[int, int, str]
+_SEGMENT_TAG = b"segment"
 
 
-def namespace_digest(namespace: str, secret: str | None = None) -> str:
-    """What a key carries of a namespace (a request's `cache_salt`, which is a secret): a keyed
-    blake2b digest, never the salt itself, so a server LIST, a Redis key, a file name or a log
-    line reveals nothing a co-tenant could replay. With `secret` (config `namespace_secret`, the
-    same on every instance sharing a store) the digests cannot even be checked against guesses."""
-    if not namespace:
-        return ""
-    key = secret.encode() if secret else _NAMESPACE_KEY
-    return hashlib.blake2b(namespace.encode(), key=key[:64], digest_size=_HASH_BYTES, person=b"lmct-ns").hexdigest()
+class TokenDatabase(Protocol):
+    """What the engine asks of a token database."""
+
+    # True: span i is usable only behind spans 0..i-1 (a miss ends a lookup and a load).
+    prefix_chain: bool
+    fmt: str  # the MemoryFormat of the stored objects, part of every key
+
+    def spans(self, tokens: Tokens) -> list[Span]:
+        """[start, end) of every span of `tokens` that is cached (stored, looked up, loaded)."""
+        ...
+
+    def process_tokens(self, tokens: Tokens, mask: torch.Tensor | None = None,
+                       scope: KeyScope = KeyScope()) -> Iterator[tuple[int, int, CacheEngineKey]]:
+        """(start, end, key) of every cached span not skipped by `mask`, in token order."""
+        ...
 
 
-def identity_digest(kv_identity: str, adapter: str) -> str:
-    """One field for everything besides the tokens that changes their KV: the model variant
-    (revision, quantization, rope overrides, KV cache dtype, block format: metadata.kv_identity)
-    and the request's LoRA adapter. Empty when both are."""
-    if not kv_identity and not adapter:
-        return ""
-    h = hashlib.blake2b(digest_size=8, person=b"lmct-id")
-    h.update(kv_identity.encode())
-    h.update(b"\x00")
-    h.update(adapter.encode())
-    return h.hexdigest()
-
-
-def spans_hash(mm_spans: Sequence[MMSpan] | None, start: int, end: int) -> bytes:
-    """The hashes of the multimodal inputs whose placeholders overlap tokens [start, end): the same
-    placeholder ids with another image must never share KV. Empty when none overlaps."""
-    if not mm_spans:
-        return b""
-    h = hashlib.blake2b(digest_size=_HASH_BYTES)
-    hit = False
-    for offset, length, mm_hash in mm_spans:
-        if offset < end and offset + length > start:
-            h.update(str(mm_hash).encode())
-            h.update(b"\x00")
-            hit = True
-    return h.digest() if hit else b""
-
-
-def chain_seed(namespace_hex: str, identity: str) -> bytes:
-    """Hash 'before the first chunk': keys of different namespaces or identities never chain alike."""
-    return hashlib.blake2b(f"{namespace_hex}\x00{identity}".encode(), digest_size=_HASH_BYTES).digest()
-
-
-def _to_int64_bytes(tokens: torch.Tensor | Sequence[int]) -> bytes:
+# ---- helpers shared by both databases -------------------------------------------------------------
+def as_token_tensor(tokens: Tokens) -> torch.Tensor:
+    """1-D int64 CPU tensor of the token ids (the bytes every hash is taken over)."""
     if isinstance(tokens, torch.Tensor):
-        return tokens.detach().to(device="cpu", dtype=torch.int64).contiguous().numpy().tobytes()
-    return torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
+        return tokens.detach().to("cpu", torch.int64)
+    return torch.tensor(list(tokens), dtype=torch.int64)
 
 
-def chain_hash(prefix_hash: bytes, tokens: torch.Tensor | Sequence[int], extra: bytes = b"") -> bytes:
-    """Hash of one chunk given the hash of everything before it."""
-    h = hashlib.blake2b(digest_size=_HASH_BYTES)
-    h.update(prefix_hash)
-    h.update(_to_int64_bytes(tokens))
-    if extra:
-        h.update(b"\x00extra\x00")
-        h.update(extra)
-    return h.digest()
+def skipped_prefix(mask: torch.Tensor | None, num_tokens: int) -> int:
+    """Leading tokens `mask` skips (vLLM already holds them); the mask must be False...False True...True."""
+    if mask is None:
+        return 0
+    if mask.dim() != 1 or mask.numel() != num_tokens:
+        raise ValueError(f"mask must be 1-D with {num_tokens} entries, got shape {tuple(mask.shape)}")
+    mask = mask.to(device="cpu", dtype=torch.bool)
+    n_false = int(num_tokens - mask.sum().item())
+    if n_false and mask[:n_false].any():
+        raise ValueError("mask must be a run of False (the skipped prefix) followed by True")
+    return n_false
 
 
-@dataclass(frozen=True)
-class CacheEngineKey:
-    """Names one stored chunk: model, ranks, dtype, chunk format, identity (model variant and
-    adapter digest), namespace digest and chunk hash.
+def _extra(scope: KeyScope, i: int, start: int, end: int) -> bytes:
+    """Bytes folded into span i's hash: the caller's extra hash and the overlapping multimodal inputs."""
+    extra = scope.extra_hashes[i] if scope.extra_hashes is not None and i < len(scope.extra_hashes) else b""
+    return extra + spans_hash(scope.mm_spans, start, end)
 
-    `layer_id` is set for the per-layer keys of the layerwise mode (one object per layer).
-    `namespace` is `namespace_digest(cache_salt)`, never the salt.
-    """
 
-    model_name: str
-    world_size: int
-    worker_id: int
-    dtype: str
+def _default_fmt(metadata: LMCacheEngineMetadata, fmt: MemoryFormat | str | None, plain: MemoryFormat) -> str:
+    if fmt is None:
+        fmt = MemoryFormat.KV_MLA if metadata.use_mla else plain
+    return MemoryFormat(fmt).value
+
+
+class _KeyedDatabase:
+    """Key construction common to both databases."""
+
+    metadata: LMCacheEngineMetadata
     fmt: str
-    chunk_hash: str
-    namespace: str = ""
-    layer_id: int | None = None
-    identity: str = ""
+    namespace_secret: str | None
 
-    def with_layer(self, layer_id: int) -> CacheEngineKey:
-        return replace(self, layer_id=layer_id)
+    def make_key(self, span_hash: bytes, namespace_hex: str = "", identity: str = "") -> CacheEngineKey:
+        return make_key(self.metadata, self.fmt, span_hash, namespace_hex, identity)
 
-    def to_string(self) -> str:
-        parts = [
-            _KEY_PREFIX,
-            quote(self.model_name, safe=""),
-            str(self.world_size),
-            str(self.worker_id),
-            self.dtype,
-            self.fmt,
-            self.identity,
-            quote(self.namespace, safe=""),
-            self.chunk_hash,
-        ]
-        if self.layer_id is not None:
-            parts.append(f"L{self.layer_id}")
-        return _SEP.join(parts)
-
-    @classmethod
-    def from_string(cls, s: str) -> CacheEngineKey:
-        parts = s.split(_SEP)
-        if len(parts) not in (9, 10) or parts[0] != _KEY_PREFIX:
-            raise ValueError(f"not a lmcache_triton key: {s!r}")
-        layer_id = None
-        if len(parts) == 10:
-            if not parts[9].startswith("L"):
-                raise ValueError(f"bad layer suffix in key: {s!r}")
-            layer_id = int(parts[9][1:])
-        return cls(
-            model_name=unquote(parts[1]),
-            world_size=int(parts[2]),
-            worker_id=int(parts[3]),
-            dtype=parts[4],
-            fmt=parts[5],
-            identity=parts[6],
-            namespace=unquote(parts[7]),
-            chunk_hash=parts[8],
-            layer_id=layer_id,
-        )
-
-    def __str__(self) -> str:
-        return self.to_string()
+    def key_scope(self, namespace: str, adapter: str) -> tuple[str, str]:
+        """(namespace digest, identity) of the keys of a request."""
+        return (namespace_digest(namespace, self.namespace_secret),
+                identity_digest(self.metadata.kv_identity, adapter))
 
 
-def make_key(metadata: LMCacheEngineMetadata, fmt: str, chunk_hash: bytes, namespace_hex: str = "",
-             identity: str = "") -> CacheEngineKey:
-    m = metadata
-    return CacheEngineKey(model_name=m.model_name, world_size=m.world_size, worker_id=m.worker_id,
-                          dtype=m.dtype_name, fmt=fmt, chunk_hash=chunk_hash.hex(), namespace=namespace_hex,
-                          identity=identity)
-
-
-class ChunkedTokenDatabase:
+# ---- prefix chunks ---------------------------------------------------------------------------------
+class ChunkedTokenDatabase(_KeyedDatabase):
     """Splits token ids into `chunk_size` chunks and keys each with the prefix hash chain."""
 
-    prefix_chain = True  # chunk i is only usable behind chunks 0..i-1: a miss ends every load
+    prefix_chain = True
 
     def __init__(self, chunk_size: int, metadata: LMCacheEngineMetadata, *, save_unfull_chunk: bool = True,
                  fmt: MemoryFormat | str | None = None, namespace_secret: str | None = None) -> None:
@@ -175,36 +128,22 @@ class ChunkedTokenDatabase:
         self.chunk_size = chunk_size
         self.metadata = metadata
         self.save_unfull_chunk = save_unfull_chunk
-        if fmt is None:
-            fmt = MemoryFormat.KV_MLA if metadata.use_mla else MemoryFormat.KV_2LTD
-        self.fmt = MemoryFormat(fmt).value
+        self.fmt = _default_fmt(metadata, fmt, MemoryFormat.KV_2LTD)
         self.namespace_secret = namespace_secret
 
-    def make_key(self, chunk_hash: bytes, namespace_hex: str = "", identity: str = "") -> CacheEngineKey:
-        return make_key(self.metadata, self.fmt, chunk_hash, namespace_hex, identity)
-
-    def key_scope(self, namespace: str, adapter: str) -> tuple[str, str]:
-        """(namespace digest, identity) of the keys of a request."""
-        return (namespace_digest(namespace, self.namespace_secret),
-                identity_digest(self.metadata.kv_identity, adapter))
-
-    def chunk_bounds(self, num_tokens: int) -> list[tuple[int, int]]:
+    def chunk_bounds(self, num_tokens: int) -> list[Span]:
         """[start, end) of every chunk kept for `num_tokens` tokens (a partial tail only if enabled)."""
         bounds = [(s, min(s + self.chunk_size, num_tokens)) for s in range(0, num_tokens, self.chunk_size)]
         if bounds and bounds[-1][1] - bounds[-1][0] < self.chunk_size and not self.save_unfull_chunk:
             bounds.pop()
         return bounds
 
+    def spans(self, tokens: Tokens) -> list[Span]:
+        return self.chunk_bounds(len(tokens))
+
     def num_skipped(self, num_tokens: int, mask: torch.Tensor | None) -> int:
-        """Leading tokens a mask tells us to skip; the mask must be False...False True...True."""
-        if mask is None:
-            return 0
-        if mask.dim() != 1 or mask.numel() != num_tokens:
-            raise ValueError(f"mask must be 1-D with {num_tokens} entries, got shape {tuple(mask.shape)}")
-        mask = mask.to(device="cpu", dtype=torch.bool)
-        n_false = int(num_tokens - mask.sum().item())
-        if n_false and mask[:n_false].any():
-            raise ValueError("mask must be a run of False (the skipped prefix) followed by True")
+        """Leading tokens the mask skips: a whole number of chunks."""
+        n_false = skipped_prefix(mask, num_tokens)
         if n_false % self.chunk_size != 0:
             raise ValueError(
                 f"mask must skip a chunk-aligned prefix: {n_false} skipped tokens is not a multiple of "
@@ -212,34 +151,113 @@ class ChunkedTokenDatabase:
             )
         return n_false
 
-    def process_tokens(
-        self,
-        tokens: torch.Tensor | Sequence[int],
-        mask: torch.Tensor | None = None,
-        *,
-        namespace: str = "",
-        extra_hashes: Sequence[bytes] | None = None,
-        adapter: str = "",
-        mm_spans: Sequence[MMSpan] | None = None,
-    ) -> Iterator[tuple[int, int, CacheEngineKey]]:
-        """Yields (start, end, key) for each chunk not skipped by the mask, in token order.
-
-        `mm_spans` (multimodal inputs) and `extra_hashes[i]` (any bytes for chunk i) are folded
-        into the chunk hashes: the same placeholder token ids with other images must not share KV.
-        `adapter` names the LoRA adapter (its KV differs from the base model's).
-        """
-        if isinstance(tokens, torch.Tensor):
-            if tokens.dim() != 1:
-                raise ValueError(f"tokens must be a 1-D tensor, got shape {tuple(tokens.shape)}")
-            tokens = tokens.detach().to("cpu", torch.int64)
-        num_tokens = len(tokens)
-        skip = self.num_skipped(num_tokens, mask)
-        ns_hex, identity = self.key_scope(namespace, adapter)
+    def process_tokens(self, tokens: Tokens, mask: torch.Tensor | None = None,
+                       scope: KeyScope = KeyScope()) -> Iterator[tuple[int, int, CacheEngineKey]]:
+        """`scope.mm_spans` and `scope.extra_hashes[i]` (any bytes for chunk i) are folded into the
+        chunk hashes: the same placeholder token ids with other images must not share KV."""
+        tokens = as_token_tensor(tokens)
+        skip = self.num_skipped(len(tokens), mask)
+        ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
         prefix = chain_seed(ns_hex, identity)
-        for i, (start, end) in enumerate(self.chunk_bounds(num_tokens)):
-            extra = extra_hashes[i] if extra_hashes is not None and i < len(extra_hashes) else b""
-            extra += spans_hash(mm_spans, start, end)
-            prefix = chain_hash(prefix, tokens[start:end], extra)
+        for i, (start, end) in enumerate(self.chunk_bounds(len(tokens))):
+            prefix = chain_hash(prefix, tokens[start:end], _extra(scope, i, start, end))
             if end <= skip:
                 continue
             yield start, end, self.make_key(prefix, ns_hex, identity)
+
+
+# ---- CacheBlend segments ---------------------------------------------------------------------------
+def segment_hash(tokens: torch.Tensor, seed: bytes = b"") -> bytes:
+    h = hashlib.blake2b(digest_size=_HASH_BYTES)
+    h.update(_SEGMENT_TAG)
+    h.update(seed)
+    h.update(b"\x00")
+    h.update(tokens.contiguous().numpy().tobytes())
+    return h.digest()
+
+
+def find_separators(tokens: torch.Tensor, sep: torch.Tensor) -> list[int]:
+    """Start indices of the non-overlapping occurrences of `sep` in `tokens`, left to right."""
+    n, m = len(tokens), len(sep)
+    if m == 0 or n < m:
+        return []
+    hits = (tokens.unfold(0, m, 1) == sep).all(dim=1).nonzero().flatten().tolist()
+    out: list[int] = []
+    for i in hits:  # "a a a" with separator "a a": one match, not two overlapping ones
+        if not out or i >= out[-1] + m:
+            out.append(i)
+    return out
+
+
+def split_segments(tokens: torch.Tensor, sep: torch.Tensor) -> list[Span]:
+    """[start, end) of every non-empty segment between separators."""
+    bounds, start = [], 0
+    for i in find_separators(tokens, sep):
+        bounds.append((start, i))
+        start = i + len(sep)
+    bounds.append((start, len(tokens)))
+    return [(s, e) for s, e in bounds if e > s]
+
+
+def separator_ids(special_str: str, tokenizer: Any) -> list[int]:
+    """The ids of `special_str` without BOS/EOS: what the tokenizer puts between documents."""
+    ids = tokenizer.encode(special_str, add_special_tokens=False)
+    if not ids:
+        raise ValueError(f"blend separator {special_str!r} tokenizes to no ids")
+    return list(ids)
+
+
+class SegmentTokenDatabase(_KeyedDatabase):
+    """Splits token ids at a separator and keys each segment on its own tokens."""
+
+    prefix_chain = False
+
+    def __init__(self, metadata: LMCacheEngineMetadata, separator: Tokens, *, min_tokens: int = 256,
+                 fmt: MemoryFormat | str | None = None, namespace_secret: str | None = None) -> None:
+        sep = as_token_tensor(separator)
+        if len(sep) == 0:
+            raise ValueError("separator must have at least one token id")
+        if min_tokens < 1:
+            raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+        self.metadata = metadata
+        self.separator = sep
+        self.min_tokens = min_tokens
+        self.fmt = _default_fmt(metadata, fmt, MemoryFormat.KV_T2D)  # blending is layerwise
+        self.namespace_secret = namespace_secret
+
+    @classmethod
+    def from_config(cls, config: Any, metadata: LMCacheEngineMetadata, tokenizer: Any = None, *,
+                    separator: Sequence[int] | None = None, fmt: MemoryFormat | str | None = None
+                    ) -> SegmentTokenDatabase:
+        """From `blend_special_str` + the model's tokenizer, or from `separator` ids."""
+        if separator is None:
+            if tokenizer is None:
+                raise ValueError("SegmentTokenDatabase needs the model's tokenizer or the separator ids")
+            separator = separator_ids(config.blend_special_str, tokenizer)
+        return cls(metadata, separator, min_tokens=config.blend_min_tokens, fmt=fmt,
+                   namespace_secret=config.namespace_secret)
+
+    def segment_bounds(self, tokens: Tokens) -> list[Span]:
+        """[start, end) of the segments that are cached (at least `min_tokens` long)."""
+        return [(s, e) for s, e in split_segments(as_token_tensor(tokens), self.separator)
+                if e - s >= self.min_tokens]
+
+    spans = segment_bounds
+
+    def process_tokens(self, tokens: Tokens, mask: torch.Tensor | None = None,
+                       scope: KeyScope = KeyScope()) -> Iterator[tuple[int, int, CacheEngineKey]]:
+        """A segment is skipped if it ends at or before the mask's first True (vLLM holds it).
+        `scope.mm_spans` are folded into the segments they overlap; `scope.extra_hashes[i]` into
+        segment i's hash (i counts cached segments)."""
+        tokens = as_token_tensor(tokens)
+        skip = skipped_prefix(mask, len(tokens))
+        ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
+        seed = chain_seed(ns_hex, identity)
+        for i, (start, end) in enumerate(self.segment_bounds(tokens)):
+            if end <= skip:
+                continue
+            h = segment_hash(tokens[start:end], seed)
+            extra = _extra(scope, i, start, end)
+            if extra:
+                h = hashlib.blake2b(h + extra, digest_size=_HASH_BYTES).digest()
+            yield start, end, self.make_key(h, ns_hex, identity)

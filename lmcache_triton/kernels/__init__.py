@@ -1,15 +1,20 @@
 """Triton kernels of lmcache_triton, each beside its pure-torch reference.
 
+One file per kernel family (``paged_copy``, ``rope``, ``blend``), each with its launchers and its
+torch reference (``reference`` for the paged copies, the CPU serving path); ``naive`` is the slow,
+obvious oracle of the paged copies that the tests and the benches check both against.
+
 Imports nothing but torch and triton (and the standard library), and has no side effects.
 """
 
+from .common import use_triton
 from .layouts import LAYOUTS, KVGeometry, kv_geometry, kv_views
 from .paged_copy import paged_gather, paged_gather_layer, paged_scatter, paged_scatter_layer
 from .reference import (paged_gather_layer_ref, paged_gather_ref, paged_scatter_layer_ref,
                         paged_scatter_ref)
 
 __all__ = [
-    "LAYOUTS", "KVGeometry", "kv_geometry", "kv_views",
+    "LAYOUTS", "KVGeometry", "kv_geometry", "kv_views", "use_triton",
     "paged_gather", "paged_scatter", "paged_gather_layer", "paged_scatter_layer",
     "paged_gather_ref", "paged_scatter_ref", "paged_gather_layer_ref", "paged_scatter_layer_ref",
 ]

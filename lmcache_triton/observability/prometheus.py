@@ -2,8 +2,9 @@
 
 Counters and gauges are read from the live engines' stats at scrape time (a custom collector:
 nothing is counted twice and the per-request path pays nothing for them); latency and throughput
-histograms are observed per operation. A process exports them on
-`http://0.0.0.0:(prometheus_port + rank)/metrics` when the config sets `prometheus_port`. Under
+histograms are observed per operation. Whoever owns the process exports its engines (`export`:
+vLLM's worker does, on `http://0.0.0.0:(prometheus_port + rank)/metrics` when the config sets
+`prometheus_port`); building an engine exports nothing. Under
 vLLM's multiprocess Prometheus mode (PROMETHEUS_MULTIPROC_DIR) only the histograms join vLLM's
 own /metrics: prometheus-client cannot aggregate custom collectors across processes.
 """
@@ -13,13 +14,20 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from lmcache_triton.engine.engine import LMCacheEngine
+from lmcache_triton.observability.stats import EngineSnapshot, LMCStatsMonitor
+
+
+class Exported(Protocol):
+    """What the exporter needs of an engine."""
+
+    stats_monitor: LMCStatsMonitor
+
+    def snapshot(self) -> EngineSnapshot: ...
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -28,7 +36,7 @@ _SECONDS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 _BYTES_PER_SECOND = (1e8, 2.5e8, 5e8, 1e9, 2e9, 5e9, 1e10, 2e10, 5e10, 1e11, 2e11, 5e11)
 
 _lock = threading.RLock()  # register() calls collect() while histograms() holds it
-_engines: weakref.WeakSet[LMCacheEngine] = weakref.WeakSet()
+_engines: weakref.WeakSet[Exported] = weakref.WeakSet()
 _histograms: dict[str, Histogram] = {}
 _http_ports: set[int] = set()
 
@@ -48,10 +56,28 @@ def histograms() -> dict[str, Histogram]:
         return _histograms
 
 
-def track(engine: LMCacheEngine) -> None:
-    histograms()
+def track(engine: Exported) -> None:
+    """Exports `engine`'s counters at every scrape and its operations in the histograms."""
+    hists = histograms()
+    snap = engine.snapshot()
+    labels = (snap.model, str(snap.rank))
+    bound = {name: h.labels(*labels) for name, h in hists.items()}
+
+    def observe(op: str, seconds: float, nbytes: int | None) -> None:
+        bound[f"{op}_seconds"].observe(seconds)
+        if nbytes and seconds > 0:
+            bound[f"{op}_bytes_per_second"].observe(nbytes / seconds)
+
+    engine.stats_monitor.observer = observe
     with _lock:
         _engines.add(engine)
+
+
+def export(engine: Exported, port: int | None) -> None:
+    """`track(engine)`, and serve /metrics on `port + rank` when `port` is set (config prometheus_port)."""
+    track(engine)
+    if port is not None:
+        serve(port + engine.snapshot().rank)
 
 
 def serve(port: int) -> None:
@@ -89,6 +115,9 @@ _COUNTERS = {  # stats field -> (metric name without _total, help)
 }
 
 
+_DISK_TIER = "LocalDiskBackend"  # the disk tier's name in StorageManager.usage()
+
+
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
@@ -102,7 +131,10 @@ class _EngineCollector:
         tier = (*_LABELS, "tier")
         evictions = CounterMetricFamily("lmcache_triton_evictions", "Chunks evicted, per tier", labels=tier)
         remote_errors = CounterMetricFamily("lmcache_triton_remote_errors",
-                                            "Failed calls to a tier other than the CPU's (each a miss)", labels=tier)
+                                            "Failed calls to a remote tier (each a miss or an unstored chunk)",
+                                            labels=tier)
+        disk_errors = CounterMetricFamily("lmcache_triton_disk_errors",
+                                          "Failed reads, writes, scans or deletes of the disk tier", labels=tier)
         checksum = CounterMetricFamily("lmcache_triton_checksum_failures",
                                        "Chunks that failed their checks on read (each a miss)", labels=tier)
         lookup_ratio = GaugeMetricFamily("lmcache_triton_lookup_hit_ratio",
@@ -123,28 +155,31 @@ class _EngineCollector:
         with _lock:
             engines = list(_engines)
         for engine in engines:
-            labels = [engine.metadata.model_name, str(engine.metadata.worker_id)]
-            engine.reservations.reap()  # a lease past its bound shows as released, not as a hold
-            stats = engine.get_stats()
+            snap = engine.snapshot()
+            labels = [snap.model, str(snap.rank)]
+            stats = snap.stats
             for reason, n in sorted(stats.miss_tokens.items()):
                 misses.add_metric([*labels, reason], n)
-            expired.add_metric(labels, engine.reservations.expired_leases)
+            expired.add_metric(labels, snap.expired_reservations)
             for f, family in counters.items():
                 family.add_metric(labels, getattr(stats, f))
             lookup_ratio.add_metric(labels, _ratio(stats.lookup_hit_tokens, stats.lookup_tokens))
             retrieve_ratio.add_metric(labels, _ratio(stats.hit_tokens, stats.requested_tokens))
-            for tier_name, u in engine.storage_manager.usage().items():
+            for tier_name, t in snap.tiers.items():
                 tl = [*labels, tier_name]
-                evictions.add_metric(tl, u.get("evictions", 0))
-                usage.add_metric(tl, u.get("used_bytes", 0))
-                capacity.add_metric(tl, u.get("capacity_bytes", 0))
-                if tier_name != "cpu":
-                    checksum.add_metric(tl, u.get("corrupt", 0))
-                    remote_errors.add_metric(tl, u.get("errors", 0) + u.get("io_errors", 0))
-                else:
-                    held.add_metric(labels, u.get("held_chunks", 0))
+                if t.evictions is not None:  # None: a remote store evicts on its own, unseen
+                    evictions.add_metric(tl, t.evictions)
+                if t.used_bytes is not None:
+                    usage.add_metric(tl, t.used_bytes)
+                if t.capacity_bytes is not None:
+                    capacity.add_metric(tl, t.capacity_bytes)
+                if tier_name == "cpu":
+                    held.add_metric(labels, t.held_chunks or 0)
+                    continue
+                checksum.add_metric(tl, t.corrupt)
+                (disk_errors if tier_name == _DISK_TIER else remote_errors).add_metric(tl, t.errors)
         yield from counters.values()
-        yield from (misses, evictions, remote_errors, checksum, expired, lookup_ratio, retrieve_ratio, usage,
+        yield from (misses, evictions, remote_errors, disk_errors, checksum, expired, lookup_ratio, retrieve_ratio, usage,
                     capacity, held)
 
 

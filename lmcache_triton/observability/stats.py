@@ -1,10 +1,16 @@
-"""LMCStatsMonitor: the engine's counters and timings, read by tests, the bench and Prometheus."""
+"""LMCStatsMonitor: the engine's counters and timings, read by tests, the bench and Prometheus.
+
+This module imports nothing of the engine's: the engine fills a monitor, and an exporter reads an
+`EngineSnapshot` and may attach an `observer` for per-operation timings.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+
+from lmcache_triton.storage.tier_stats import TierStats
 
 
 @dataclass(frozen=True)
@@ -56,21 +62,30 @@ class LMCacheStats:
         return d
 
 
-class LMCStatsMonitor:
-    """Thread-safe accumulators; `get_stats()` returns an immutable snapshot.
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What an exporter reads of one engine, taken at one time."""
 
-    With `labels` (model, rank), each operation is also observed in the Prometheus histograms
-    of `lmcache_triton.observability.prometheus`."""
+    model: str
+    rank: int
+    stats: LMCacheStats
+    tiers: Mapping[str, TierStats]  # tier name -> its stats (`StorageManager.usage()`), CPU first
+    expired_reservations: int  # lookup reservations released by their lease, not by a load
+
+
+# (operation, seconds, bytes moved or None): "lookup", "retrieve" or "store"
+Observer = Callable[[str, float, "int | None"], None]
+
+
+class LMCStatsMonitor:
+    """Thread-safe accumulators; `get_stats()` returns an immutable snapshot. An `observer`
+    (set by an exporter) also sees each operation's time and bytes."""
 
     _FIELDS = tuple(f for f in LMCacheStats.__dataclass_fields__ if f != "miss_tokens")
 
-    def __init__(self, labels: tuple[str, str] | None = None) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._hist = None
-        if labels is not None:
-            from lmcache_triton.observability.prometheus import histograms
-
-            self._hist = {name: h.labels(*labels) for name, h in histograms().items()}
+        self.observer: Observer | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -84,11 +99,8 @@ class LMCStatsMonitor:
                 self._values[k] += v
 
     def _observe(self, op: str, seconds: float, nbytes: int | None = None) -> None:
-        if self._hist is None:
-            return
-        self._hist[f"{op}_seconds"].observe(seconds)
-        if nbytes and seconds > 0:
-            self._hist[f"{op}_bytes_per_second"].observe(nbytes / seconds)
+        if self.observer is not None:
+            self.observer(op, seconds, nbytes)
 
     def on_lookup(self, num_tokens: int, hit_tokens: int, seconds: float = 0.0,
                   misses: Mapping[str, int] | None = None) -> None:

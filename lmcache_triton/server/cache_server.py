@@ -15,33 +15,37 @@ its eviction: the values that queued replies hold are bounded by --max-pending-r
 which GETs are answered BUSY (`refused_replies`), so memory stays near capacity + that budget.
 
 Eviction is least-recently-used (GET and PUT refresh an entry) and the sum of key and value bytes
-never exceeds the capacity. With --disk, every PUT is written through (temp file + atomic rename,
-so a crash leaves whole files or none); at start the most recently used files that fit are
-reloaded, and the older ones deleted unread.
+never exceeds the capacity. With --disk, every PUT of a chunk (the serde bytes lmcache_triton
+clients store under the chunk's key) is written through as a chunk file: the disk tier's format
+and code (storage/chunk_files.py), so a server's folder and an engine's `local_disk` folder hold
+the same files. Other values live in memory only (`not_persisted`). At start the most recently used
+files that fit are reloaded, and the older ones deleted unread.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
 import os
 import signal
-import struct
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from typing import BinaryIO
 
 import zmq
 
 from lmcache_triton.server import wire
 from lmcache_triton.server.wire import Command, Limits, Status
+from lmcache_triton.storage.chunk_files import ChunkFiles
+from lmcache_triton.storage.chunk_header import RawHeader, SerdeError, read_raw_header
+from lmcache_triton.storage.lru import LRU
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -97,171 +101,127 @@ class ServerStats:
     internal_errors: int = 0
     dropped_replies: int = 0
     refused_replies: int = 0  # GETs answered BUSY: the pending-reply budget was full
-    disk_errors: int = 0
-
-
-# ---- persistence --------------------------------------------------------------------------------
-_FILE_MAGIC = b"LMCS"
-_FILE_HEAD = struct.Struct("<4sI")  # magic, key length; then key, then value
-
-
-class DiskMirror:
-    """One file per key, named by the key's sha256 (keys are arbitrary bytes, names must not be)."""
-
-    def __init__(self, directory: str) -> None:
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, key: bytes) -> Path:
-        return self.dir / (hashlib.sha256(key).hexdigest() + ".kv")
-
-    def write(self, key: bytes, value: memoryview) -> None:
-        path = self._path(key)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(_FILE_HEAD.pack(_FILE_MAGIC, len(key)))
-            f.write(key)
-            f.write(value)
-        os.replace(tmp, path)  # readers (and a restart) see the old file or the new one, never half
-
-    def remove(self, key: bytes) -> bool:
-        """False when the file could not be removed (it then reappears after a restart)."""
-        try:
-            self._path(key).unlink(missing_ok=True)
-            return True
-        except OSError as e:
-            logger.warning("cache server: cannot remove persisted entry: %s", e)
-            return False
-
-    def touch(self, key: bytes) -> None:
-        # mtime is the LRU order a restart reloads in
-        try:
-            os.utime(self._path(key))
-        except OSError:
-            pass
-
-    def load(self, capacity: int) -> list[tuple[bytes, bytes]]:
-        """The most recently used intact entries whose key and value bytes fit in `capacity`, least
-        recently used first: what LRU eviction would keep of them all. The older entries' files
-        are deleted without reading their values, so a folder larger than the capacity (restarted
-        with a smaller --max-size-gb) costs no more memory than the capacity. Partial temp files
-        are removed; unreadable files are skipped (and kept)."""
-        found: list[tuple[float, int, bytes, Path]] = []  # mtime, key + value bytes, key, path
-        for path in self.dir.iterdir():
-            if path.suffix == ".tmp":
-                path.unlink(missing_ok=True)
-                continue
-            if path.suffix != ".kv":
-                continue
-            try:
-                found.append((*self._scan(path), path))
-            except (OSError, ValueError, struct.error) as e:
-                logger.warning("cache server: skipping unreadable persisted entry %s: %s", path, e)
-        found.sort(key=lambda e: e[0], reverse=True)
-        kept, used = [], 0
-        for i, (_, size, key, path) in enumerate(found):
-            if size > capacity:  # could never be stored; it evicts nothing
-                self.remove(key)
-            elif used + size <= capacity:
-                kept.append((key, path))
-                used += size
-            else:  # it and everything older would have been evicted
-                for _, _, old_key, _ in found[i:]:
-                    self.remove(old_key)
-                break
-        entries: list[tuple[bytes, bytes]] = []
-        for key, path in reversed(kept):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(_FILE_HEAD.size + len(key))
-                    entries.append((key, f.read()))
-            except OSError as e:
-                logger.warning("cache server: skipping unreadable persisted entry %s: %s", path, e)
-        return entries
-
-    def _scan(self, path: Path) -> tuple[float, int, bytes]:
-        """(mtime, key + value bytes, key) of a file, reading only its head and key."""
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            magic, klen = _FILE_HEAD.unpack(f.read(_FILE_HEAD.size))
-            if magic != _FILE_MAGIC or _FILE_HEAD.size + klen > st.st_size:
-                raise ValueError("bad header")
-            key = f.read(klen)
-        if len(key) != klen or self._path(key) != path:
-            raise ValueError("file name does not match its key")
-        return st.st_mtime, st.st_size - _FILE_HEAD.size, key
+    not_persisted: int = 0    # --disk: PUTs of values that are not chunks, kept in memory only
 
 
 # ---- the store ----------------------------------------------------------------------------------
-class LRUStore:
-    """key -> value, least recently used first; `used_bytes` (keys + values) <= `capacity` always."""
+def _claim_any(header: RawHeader) -> str:
+    return header.key  # the server serves every model's chunks
 
-    def __init__(self, capacity: int, stats: ServerStats, disk: DiskMirror | None = None) -> None:
+
+def _name(key: bytes) -> str | None:
+    """The chunk key `key` spells, the name of its file; None for bytes no chunk key can be."""
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _chunk_name(key: bytes, value: memoryview) -> str | None:
+    """`key` as the name of a chunk file, when `value` is a whole chunk stored under it (what every
+    lmcache_triton client PUTs); None for any other value, which then lives in memory only."""
+    if (name := _name(key)) is None:
+        return None
+    try:
+        header = read_raw_header(value)
+    except SerdeError:
+        return None
+    return name if header.key == name and header.file_nbytes == value.nbytes else None
+
+
+def _read_value(f: BinaryIO, header: RawHeader) -> memoryview:
+    """A whole chunk file (its header checked), read with one copy."""
+    buf = bytearray(header.file_nbytes)
+    f.seek(0)
+    if f.readinto(buf) != len(buf):
+        raise SerdeError("chunk file shrank while it was read")
+    return memoryview(buf)
+
+
+class Store:
+    """key -> value, least recently used first; `used_bytes` (keys + values) <= `capacity` always.
+
+    With `disk`, a value that is a chunk is written through as a chunk file (the disk tier's format
+    and code: chunk_files.py), evictions and DELETEs remove it, GETs touch it; `load` reads back,
+    least recently used first, what fits in the capacity.
+    """
+
+    def __init__(self, capacity: int, stats: ServerStats, disk: ChunkFiles[str] | None = None) -> None:
         self.capacity = capacity
-        self.used_bytes = 0
-        self._data: OrderedDict[bytes, memoryview] = OrderedDict()
+        self._lru: LRU[bytes, memoryview] = LRU()
         self._stats = stats
-        self._disk = disk
+        self.disk = disk
 
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self._lru)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._data
+        return key in self._lru
 
-    def put(self, key: bytes, value: memoryview, *, persist: bool = True) -> bool:
+    @property
+    def used_bytes(self) -> int:
+        return self._lru.used_bytes
+
+    def put(self, key: bytes, value: memoryview) -> bool:
         size = len(key) + value.nbytes
         if size > self.capacity:
             return False
-        self._drop(key)
-        while self.used_bytes + size > self.capacity:
-            self._evict_oldest()
-        if persist and self._disk is not None:
-            try:
-                self._disk.write(key, value)
-            except OSError as e:
-                # memory still takes it: the disk copy is for restarts, not for serving
-                self._stats.disk_errors += 1
-                logger.warning("cache server: write-through to disk failed: %s", e)
-        self._data[key] = value
-        self.used_bytes += size
+        self.delete(key)  # a PUT replaces: the old value's file must not outlive it
+        self._insert(key, value, size)
+        if self.disk is not None:
+            if (name := _chunk_name(key, value)) is None:
+                self._stats.not_persisted += 1
+            else:  # memory keeps it even if the write fails: the disk copy is for restarts
+                self.disk.store(name, lambda: (value,))
         return True
 
+    def _insert(self, key: bytes, value: memoryview, size: int) -> None:
+        victims = self._lru.evict(self.capacity, size) or []  # nothing is held: never None
+        for old, _ in victims:
+            self._forget_file(old)
+        self._stats.evictions += len(victims)
+        self._lru.put(key, value, size)
+
     def get(self, key: bytes) -> memoryview | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-            if self._disk is not None:
-                self._disk.touch(key)
+        value = self._lru.touch(key)
+        if value is not None and self.disk is not None and (name := _name(key)) is not None:
+            self.disk.touch(name)  # mtime is the order a restart reloads in
         return value
 
     def delete(self, key: bytes) -> bool:
-        return self._drop(key)
+        found = self._lru.pop(key) is not None
+        self._forget_file(key)  # also a file left unread at start (an I/O error): never a stale value
+        return found
 
     def keys(self, limit: int) -> tuple[list[bytes], bool]:
         """Up to `limit` keys, most recently used first, and whether there were more."""
-        out: list[bytes] = []
-        for k in reversed(self._data):
-            if len(out) == limit:
-                return out, True
-            out.append(k)
-        return out, False
+        out = list(itertools.islice(self._lru.newest(), limit + 1))
+        return out[:limit], len(out) > limit
 
-    def _drop(self, key: bytes) -> bool:
-        value = self._data.pop(key, None)
-        if value is None:
-            return False
-        self.used_bytes -= len(key) + value.nbytes
-        if self._disk is not None and not self._disk.remove(key):
-            self._stats.disk_errors += 1
-        return True
+    def _forget_file(self, key: bytes) -> None:
+        if self.disk is not None and (name := _name(key)) is not None:
+            self.disk.remove(name)  # a no-op for a value that is not a chunk: it has no file
 
-    def _evict_oldest(self) -> None:
-        key, value = self._data.popitem(last=False)
-        self.used_bytes -= len(key) + value.nbytes
-        if self._disk is not None and not self._disk.remove(key):
-            self._stats.disk_errors += 1
-        self._stats.evictions += 1
+    def load(self) -> int:
+        """Reads back the chunk files the disk's start scan indexed, least recently used first,
+        and returns how many. Only the most recent that fit, keys counted, are read: the older
+        files are deleted unread (what LRU eviction would have done), so a folder larger than the
+        capacity (restarted with a smaller --max-size-gb) costs no more memory than the capacity."""
+        if self.disk is None:
+            return 0
+        fits: LRU[str, None] = LRU()
+        for name, nbytes in self.disk.files():
+            fits.put(name, None, len(name.encode("utf-8")) + nbytes)
+        for name, _ in fits.evict(self.capacity) or []:
+            self.disk.remove(name)
+        n = 0
+        for name in fits:
+            value = self.disk.read(name, _read_value)
+            if value is not None:
+                key = name.encode("utf-8")
+                self._insert(key, value, len(key) + value.nbytes)
+                n += 1
+        return n
 
 
 # ---- queued replies -----------------------------------------------------------------------------
@@ -317,8 +277,12 @@ class CacheServer:
         self.limits = config.limits
         self.stats = ServerStats()
         self._auth = wire.auth_digest(config.auth_token) if config.auth_token else None
-        self._disk = DiskMirror(config.disk_dir) if config.disk_dir else None
-        self.store = LRUStore(config.max_size_bytes, self.stats, self._disk)
+        disk = None
+        if config.disk_dir:
+            # Never evicts by itself: its files are a subset of the memory's entries, which bound it
+            disk = ChunkFiles(config.disk_dir, config.max_size_bytes, key_name=str, claim=_claim_any,
+                              name="cache server --disk")
+        self.store = Store(config.max_size_bytes, self.stats, disk)
         self.replies = ReplyBudget(config.pending_reply_budget)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
@@ -343,7 +307,7 @@ class CacheServer:
             port = self.config.port
         self._sock = sock
         self.endpoint = f"{host}:{port}"
-        reloaded = self._reload()
+        reloaded = self.store.load()
         logger.info(
             "lmcache-triton cache server on tcp://%s (capacity %.3g GB, max value %.3g MB, disk %s, auth %s, "
             "%d entries reloaded)", self.endpoint, self.config.max_size_bytes / 1e9,
@@ -351,18 +315,6 @@ class CacheServer:
         if not _is_loopback(host) and self._auth is None:
             logger.warning("cache server listens on non-loopback %s without an auth token", host)
         return self.endpoint
-
-    def _reload(self) -> int:
-        if self._disk is None:
-            return 0
-        n = 0
-        for key, value in self._disk.load(self.store.capacity):
-            # already on disk; load() chose what fits, so nothing is evicted here
-            if self.store.put(key, memoryview(value), persist=False):
-                n += 1
-            else:
-                self._disk.remove(key)
-        return n
 
     def stop(self) -> None:
         self._stop = True
@@ -509,7 +461,8 @@ class CacheServer:
             "max_value_bytes": self.limits.max_value_bytes,
             "uptime_s": round(time.monotonic() - self._started, 3),
             "protocol_version": wire.VERSION,
-            "persistent": self._disk is not None,
+            "persistent": self.store.disk is not None,
+            "disk": None if self.store.disk is None else asdict(self.store.disk.stats()),
         }
 
 
@@ -547,7 +500,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bound on stored values that queued GET replies keep alive after eviction; beyond it "
                         "GETs are answered BUSY (default: min(256, capacity in MiB))")
     p.add_argument("--disk", default=None, metavar="DIR",
-                   help="write entries through to DIR and reload them at start")
+                   help="write chunks through to DIR (the disk tier's chunk files) and reload them at start")
     p.add_argument("--auth-token", default=None,
                    help=f"require this token from clients (default: ${AUTH_TOKEN_ENV}, else no auth)")
     p.add_argument("--log-level", default="INFO")

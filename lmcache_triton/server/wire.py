@@ -14,8 +14,9 @@ Reply header (little-endian, 20 bytes + 8 per payload frame):
     n_frames u32 | n_frames x length u64
 
 Declared lengths must equal the frames' real lengths; every count and length is bounded (`Limits`).
-Values are opaque bytes: the server never parses what a client stores. docs/wire-format.md has the
-per-command payloads. This module is pure encoding: no sockets, no I/O.
+Values are opaque bytes to the protocol (a server with --disk reads a value's chunk header only to
+decide whether to write it through). docs/wire-format.md has the per-command payloads. This module
+is pure encoding: no sockets, no I/O.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lmcache_triton.keys import CacheEngineKey
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.storage.tier_stats import TierStats
 
 # Gives the backend room for a chunk it is about to read (e.g. the CPU pool's allocate);
 # None when there is no room, which the backend reports as a miss.
@@ -60,6 +61,5 @@ class StorageBackend(abc.ABC):
         """Releases the backend's resources; idempotent."""
 
     @abc.abstractmethod
-    def stats(self) -> dict[str, int | float]:
-        """At least: puts, put_failures, gets, hits, misses, corrupt, evictions, used_bytes,
-        capacity_bytes."""
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters and occupancy."""

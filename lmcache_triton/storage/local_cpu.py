@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
+from lmcache_triton.keys import CacheEngineKey
+from lmcache_triton.storage.lru import LRU
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj, TensorMemoryPool
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.storage.tier_stats import TierStats
 
 logger = logging.getLogger("lmcache_triton")
+
+
+def _is_held(obj: MemoryObj) -> bool:
+    return obj.is_held
 
 
 class LocalCPUBackend:
     """LRU map key -> MemoryObj over a TensorMemoryPool of `size_bytes`.
 
     A held object (being read, written through, or reported by a lookup that a load will
-    follow) is never evicted. Pins are taken by `get` (or by `put(holds=n)`) and released through
+    follow) is never evicted. Holds are taken by `get` (or by `put(holds=n)`) and released through
     the object (`StorageManager.release`), never by key: a key may be removed or replaced meanwhile.
     When every object is held and the pool is full, `allocate` refuses (returns None): the caller
     skips storing that chunk, which costs a future miss, never an OOM.
@@ -30,11 +36,10 @@ class LocalCPUBackend:
     def __init__(self, size_bytes: int, *, pin_memory: bool | None = None,
                  on_evict: Callable[[CacheEngineKey, MemoryObj], None] | None = None) -> None:
         self.pool = TensorMemoryPool(size_bytes, pin_memory=pin_memory)
-        self._objs: OrderedDict[CacheEngineKey, MemoryObj] = OrderedDict()
+        self._objs: LRU[CacheEngineKey, MemoryObj] = LRU()
         self._lock = threading.RLock()
-        self._on_evict = on_evict
-        self.num_evictions = 0
-        self.num_refusals = 0
+        self._on_evict = on_evict  # the StorageManager remembers why a key went (miss reasons)
+        self._stats = TierStats(capacity_bytes=self.pool.capacity)
 
     # ---- queries -------------------------------------------------------------------------------
     def contains(self, key: CacheEngineKey) -> bool:
@@ -42,12 +47,13 @@ class LocalCPUBackend:
             return key in self._objs
 
     def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        """The object, held for the caller (who must `unpin()` it), and marked recently used."""
+        """The object, held for the caller (who must `unhold()` it), and marked recently used."""
         with self._lock:
-            obj = self._objs.get(key)
+            obj = self._objs.touch(key)
             if obj is None:
+                self._stats.misses += 1
                 return None
-            self._objs.move_to_end(key)
+            self._stats.hits += 1
             obj.hold()
             return obj
 
@@ -76,18 +82,32 @@ class LocalCPUBackend:
         with self._lock:
             return sum(obj.is_held for obj in self._objs.values())
 
+    def stats(self) -> TierStats:
+        with self._lock:
+            return replace(self._stats, chunks=len(self._objs), used_bytes=self.pool.used_bytes,
+                           held_chunks=self.num_held)
+
     # ---- writes --------------------------------------------------------------------------------
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
-        """Room for a new chunk, evicting unpinned LRU objects as needed; None if none can be made."""
+        """Room for a new chunk, evicting unheld LRU objects as needed; None if none can be made.
+
+        Evicts one object at a time until the pool's first-fit allocation succeeds: freed bytes
+        are not enough, they must be contiguous, so a byte count cannot tell how many to evict."""
         with self._lock:
             if self.pool.aligned_size(shape, dtype) > self.pool.capacity:
-                self.num_refusals += 1
+                self._stats.put_failures += 1
                 return None
             while (obj := self.pool.allocate(shape, dtype, fmt)) is None:
-                if not self._evict_one():
-                    self.num_refusals += 1
+                victim = self._objs.pop_lru(held=_is_held)
+                if victim is None:
+                    self._stats.put_failures += 1
                     logger.debug("CPU tier full and every chunk held: refusing %s bytes", shape)
                     return None
+                key, old = victim
+                old.free()
+                self._stats.evictions += 1
+                if self._on_evict is not None:
+                    self._on_evict(key, old)
             return obj
 
     def put(self, key: CacheEngineKey, obj: MemoryObj, holds: int = 0) -> bool:
@@ -95,13 +115,13 @@ class LocalCPUBackend:
         see it (holding after the insert would let an eviction in between free memory the caller
         is about to read). A key already present keeps its object; the new one is freed."""
         with self._lock:
-            if key in self._objs:
-                self._objs.move_to_end(key)
+            self._stats.puts += 1
+            if self._objs.touch(key) is not None:
                 obj.free()
                 return False
             for _ in range(holds):
                 obj.hold()
-            self._objs[key] = obj
+            self._objs.put(key, obj, obj.nbytes)
             return True
 
     def remove(self, key: CacheEngineKey) -> bool:
@@ -109,7 +129,7 @@ class LocalCPUBackend:
         goes back to the pool at its last release (`StorageManager.release` frees objects that no
         tier holds)."""
         with self._lock:
-            obj = self._objs.pop(key, None)
+            obj = self._objs.pop(key)
             if obj is None:
                 return False
             if not obj.is_held:
@@ -117,26 +137,15 @@ class LocalCPUBackend:
             return True
 
     def clear(self) -> int:
-        """Drops every unpinned object; returns how many were dropped."""
+        """Drops every unheld object; returns how many were dropped."""
         with self._lock:
-            dropped = [k for k, o in self._objs.items() if not o.is_held]
+            dropped = [k for k, obj in self._objs.items() if not obj.is_held]
             for k in dropped:
                 self._objs.pop(k).free()
             return len(dropped)
-
-    def _evict_one(self) -> bool:
-        for key, obj in self._objs.items():  # oldest first
-            if not obj.is_held:
-                del self._objs[key]
-                obj.free()
-                self.num_evictions += 1
-                if self._on_evict is not None:
-                    self._on_evict(key, obj)
-                return True
-        return False
 
     def close(self) -> None:
         with self._lock:
             for obj in self._objs.values():
                 obj.free()
-            self._objs.clear()
+            self._objs = LRU()

@@ -22,7 +22,8 @@ from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.storage.tier_stats import TierStats
+from lmcache_triton.keys import CacheEngineKey
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -211,9 +212,6 @@ class StorageManager:
                 obj.hold()
             return obj
 
-    def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        return [self.get(k) for k in keys]
-
     def release(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """Ends a use begun by `get` (or a hold of `batched_contains`, or a write-through): releases its holds,
         and frees objects that live in no tier (MemoryObj.free is idempotent: two last releases
@@ -281,20 +279,9 @@ class StorageManager:
         """Drops every unpinned chunk of the CPU tier (lower tiers keep theirs)."""
         return self.cpu.clear()
 
-    def usage(self) -> dict[str, dict[str, int | float]]:
-        out: dict[str, dict[str, int | float]] = {
-            "cpu": {
-                "used_bytes": self.cpu.used_bytes,
-                "capacity_bytes": self.cpu.capacity_bytes,
-                "chunks": len(self.cpu),
-                "held_chunks": self.cpu.num_held,
-                "evictions": self.cpu.num_evictions,
-                "refusals": self.cpu.num_refusals,
-            }
-        }
-        for tier in self.tiers:
-            out[tier.name] = tier.stats()
-        return out
+    def usage(self) -> dict[str, TierStats]:
+        """Every tier's stats by tier name, the CPU tier first."""
+        return {"cpu": self.cpu.stats(), **{tier.name: tier.stats() for tier in self.tiers}}
 
     def close(self) -> None:
         """Drains pending writes, then closes every tier. Idempotent."""

@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+from lmcache_triton.config import REMOTE_SCHEMES, redact_url
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage import serde
-from lmcache_triton.storage.remote import CONNECT_TIMEOUT_S, RemoteChunkBackend
+from lmcache_triton.storage.remote_base import CONNECT_TIMEOUT_S, RemoteChunkBackend
 
 KEY_PREFIX = "lmct:"
-_SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+_SCHEMES = {s: p for s, p in REMOTE_SCHEMES.items() if p in ("redis", "rediss")}  # scheme -> redis-py's
 
 
 class OversizedValueError(serde.SerdeError):
@@ -49,7 +50,7 @@ class RedisBackend(RemoteChunkBackend):
 
     def __init__(self, url: str, metadata: LMCacheEngineMetadata | None = None, *, compression: str = "naive",
                  timeout_s: float = 10.0, auth_token: str | None = None, key_prefix: str = KEY_PREFIX) -> None:
-        super().__init__(url=_redact(url), metadata=metadata, compression=compression, timeout_s=timeout_s)
+        super().__init__(url=redact_url(url), metadata=metadata, compression=compression, timeout_s=timeout_s)
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -96,13 +97,3 @@ class RedisBackend(RemoteChunkBackend):
 
     def _close(self) -> None:
         self._redis.close()
-
-
-def _redact(url: str) -> str:
-    """The url without its password, for logs and stats."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))

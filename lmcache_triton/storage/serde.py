@@ -18,9 +18,7 @@ Integrity:
   and not worth a dependency at 7 GB/s. We need error detection, not a MAC: CRC32
   catches every 1-bit flip and every burst up to 32 bits, and a random corruption slips by with
   probability 2^-32. The value is stored as "crc32:<hex>" so another algorithm can come later.
-- `header_crc` covers the rest of the header, and the header must be exactly the canonical JSON
-  we write (sorted keys, no spaces, ASCII) padded with spaces: a flipped bit in the header either
-  breaks parsing, breaks canonical form, or changes a value that the CRC then rejects.
+- `header_crc` covers the rest of the header (chunk_header.py, which checks headers without torch).
 - The file size must equal header + payload exactly (truncation and trailing junk both fail).
 
 Any malformed input raises SerdeError (never another exception type, never wrong data).
@@ -28,9 +26,7 @@ Any malformed input raises SerdeError (never another exception type, never wrong
 
 from __future__ import annotations
 
-import json
 import struct
-import zlib
 from dataclasses import dataclass
 from math import prod
 
@@ -40,14 +36,21 @@ import torch
 
 from lmcache_triton.storage.memory import MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
+from lmcache_triton.storage.chunk_header import (  # the header's names too: serde is the format's one door
+    FORMAT_VERSION,
+    MAX_HEADER_BYTES,
+    RawHeader,
+    SerdeError,
+    UnsupportedVersionError,
+    as_bytes_view,
+    header_span,
+    read_raw_header,
+)
+from lmcache_triton.storage.chunk_header import canonical as _canonical
+from lmcache_triton.storage.chunk_header import crc as _crc
 
-FORMAT_VERSION: int = 1
 COMPRESSIONS = ("naive", "lz4")
-
-# A chunk's header is a few hundred bytes; a huge length means a corrupt length field, and
-# refusing it early keeps a bit flip from making us read or allocate gigabytes.
-MAX_HEADER_BYTES = 1 << 20
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float16: "F16",
@@ -59,15 +62,6 @@ _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPE_BY_NAME: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in _DTYPE_TO_ST}
-_META_FIELDS = ("checksum", "compression", "dtype", "fmt", "header_crc", "key", "num_tokens", "shape", "version")
-
-
-class SerdeError(Exception):
-    """Bytes that are not a chunk we can vouch for; callers turn it into a miss."""
-
-
-class UnsupportedVersionError(SerdeError):
-    """A well-formed chunk of another FORMAT_VERSION (a newer writer may share the directory)."""
 
 
 @dataclass(frozen=True)
@@ -94,14 +88,6 @@ class ChunkHeader:
         return self.data_offset + self.payload_nbytes
 
 
-def _crc(data: memoryview | bytes) -> str:
-    return f"crc32:{zlib.crc32(data):08x}"
-
-
-def _canonical(obj: dict) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-
-
 def _check_fmt_shape(fmt: MemoryFormat, shape: tuple[int, ...]) -> str | None:
     """Why `shape` cannot be a chunk of `fmt`, or None when it can."""
     if any(s <= 0 for s in shape):
@@ -113,16 +99,6 @@ def _check_fmt_shape(fmt: MemoryFormat, shape: tuple[int, ...]) -> str | None:
     if fmt is MemoryFormat.KV_MLA and not ((len(shape) == 4 and shape[0] == 1) or len(shape) == 2):
         return f"{fmt.value} needs shape [1, layers, tokens, C] or [tokens, C], got {shape}"
     return None
-
-
-def _as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
-    try:
-        mv = memoryview(data)
-    except TypeError as e:
-        raise SerdeError(f"chunk data must be bytes-like, got {type(data).__name__}") from e
-    if mv.ndim != 1 or mv.format not in ("B", "b", "c"):
-        mv = mv.cast("B")
-    return mv
 
 
 def _flat_u8(t: torch.Tensor) -> torch.Tensor:
@@ -183,46 +159,14 @@ def serialize_parts(key: CacheEngineKey | str, tensor: torch.Tensor, fmt: Memory
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def header_span(prefix: bytes | memoryview) -> int:
-    """Bytes from the start of a chunk through the end of its JSON header, given its first 8."""
-    if len(prefix) < 8:
-        raise SerdeError(f"chunk is truncated: {len(prefix)} bytes, not even the 8-byte header length")
-    (n,) = struct.unpack_from("<Q", prefix, 0)
-    if n == 0 or n > MAX_HEADER_BYTES:
-        raise SerdeError(f"chunk header length {n} is out of range (1..{MAX_HEADER_BYTES})")
-    return 8 + n
-
-
 def read_header(data: bytes | memoryview) -> ChunkHeader:
     """Parses and verifies only the header; `data` may stop right after it (see header_span)."""
-    mv = _as_bytes_view(data)
-    end = header_span(mv[:8])
-    if len(mv) < end:
-        raise SerdeError(f"chunk is truncated inside its header: {len(mv)} of {end} bytes")
-    raw_header = bytes(mv[8:end])
-    text = raw_header.rstrip(b" ")
-    try:
-        header = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise SerdeError(f"chunk header is not valid JSON: {e}") from None
-    if not isinstance(header, dict) or _canonical(header) != text:
-        raise SerdeError("chunk header is not in canonical form (corrupt or not written by us)")
-    meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or sorted(meta) != sorted(_META_FIELDS):
-        raise SerdeError(f"chunk header metadata must have exactly the fields {_META_FIELDS}")
-    if not all(isinstance(v, str) for v in meta.values()):
-        raise SerdeError("chunk header metadata values must be strings")
-    stored_crc = meta.pop("header_crc")
-    if _crc(_canonical({"__metadata__": meta, **header})) != stored_crc:
-        raise SerdeError("chunk header checksum mismatch (corrupt header)")
-    return _parse_header(meta, header, end)
+    return parse_header(read_raw_header(data))
 
 
-def _parse_header(meta: dict[str, str], tensors: dict, data_offset: int) -> ChunkHeader:
-    if meta["version"] != str(FORMAT_VERSION):
-        raise UnsupportedVersionError(
-            f"chunk format version {meta['version']!r} is not supported (this reader: {FORMAT_VERSION})"
-        )
+def parse_header(raw: RawHeader) -> ChunkHeader:
+    """The typed header of a header whose bytes checked out: its dtype, format and shape agree."""
+    meta, tensors = raw.meta, raw.tensors
     try:
         fmt = MemoryFormat(meta["fmt"])
         shape = tuple(int(s) for s in meta["shape"].split(","))
@@ -246,11 +190,10 @@ def _parse_header(meta: dict[str, str], tensors: dict, data_offset: int) -> Chun
     info = tensors.get(name)
     if len(tensors) != 1 or not isinstance(info, dict) or sorted(info) != ["data_offsets", "dtype", "shape"]:
         raise SerdeError(f"chunk header must describe exactly one tensor {name!r}")
-    offsets, t_shape = info["data_offsets"], info["shape"]
-    if (info["dtype"] != st_dtype or not isinstance(offsets, list) or len(offsets) != 2 or offsets[0] != 0
-            or not isinstance(offsets[1], int) or not isinstance(t_shape, list)):
+    t_shape = info["shape"]
+    if info["dtype"] != st_dtype or not isinstance(t_shape, list):  # its data_offsets: read_raw_header
         raise SerdeError(f"chunk header tensor entry is malformed: {info}")
-    payload_nbytes = offsets[1]
+    payload_nbytes = raw.payload_nbytes
     if st_shape is None:  # lz4: a flat uint8 tensor of the compressed size
         st_shape = [payload_nbytes]
     elif payload_nbytes != prod(shape) * dtype.itemsize:
@@ -262,7 +205,7 @@ def _parse_header(meta: dict[str, str], tensors: dict, data_offset: int) -> Chun
     return ChunkHeader(
         key=meta["key"], fmt=fmt, dtype=dtype, shape=shape, num_tokens=num_tokens,
         checksum=meta["checksum"], compression=compression, version=FORMAT_VERSION,
-        payload_nbytes=payload_nbytes, data_offset=data_offset,
+        payload_nbytes=payload_nbytes, data_offset=raw.data_offset,
     )
 
 
@@ -275,7 +218,7 @@ def deserialize(
     expected_shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, ChunkHeader]:
     """The chunk tensor (written into `out` when given) and its header, once everything checks out."""
-    mv = _as_bytes_view(data)
+    mv = as_bytes_view(data)
     h = read_header(mv)
     if expected_key is not None and h.key != expected_key:
         raise SerdeError(f"chunk holds key {h.key!r}, expected {expected_key!r}")

@@ -117,11 +117,10 @@ def test_recomputes_the_top_deviation_tokens_plus_separators_and_last(model, cas
 
 def test_builder_needs_a_model(model):
     cfg = LMCacheEngineConfig.from_defaults()
-    with pytest.raises(RuntimeError, match="register_model"):
+    with pytest.raises(RuntimeError, match="needs the loaded model"):
         LMCBlenderBuilder.get_or_create("blend-test", None, None, cfg)
-    LMCBlenderBuilder.register_model("blend-test", model)
     try:
-        b = LMCBlenderBuilder.get_or_create("blend-test", None, None, cfg)
+        b = LMCBlenderBuilder.get_or_create("blend-test", None, None, cfg, model=model)
         assert LMCBlenderBuilder.get("blend-test") is b
         assert LMCBlenderBuilder.get_or_create("blend-test", None, None, cfg) is b
     finally:
@@ -156,10 +155,9 @@ def test_rejects_sliding_window():
 
 def test_through_the_engine_and_paged_cache(model, case):
     """vLLM's worker path: segments stored alone through the engine, retrieved layerwise into the
-    buffer connector, blended, written into a paged cache. Stand-ins for what engine.py /
-    gpu_connector.py do not do yet: the engine keys with SegmentTokenDatabase, and the connector
-    records `loaded_ranges`."""
+    buffer connector, blended, written into a paged cache."""
     from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineMetadata, create_gpu_connector
+    from lmcache_triton.engine.engine import CacheMode
     from lmcache_triton.blend import SegmentTokenDatabase
     from lmcache_triton.kernels import paged_gather_layer_ref, paged_scatter_layer
     from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
@@ -172,15 +170,8 @@ def test_through_the_engine_and_paged_cache(model, case):
     meta = LMCacheEngineMetadata(model_name="test/blend", world_size=1, worker_id=0, kv_dtype=torch.float32,
                                  kv_shape=(L, 2, 16, H, D))
     conn = create_gpu_connector(config, meta, "vllm_packed")
-    engine = LMCacheEngineBuilder.get_or_create("blend-e2e", config, meta, conn)
-    engine.token_database = SegmentTokenDatabase(meta, SEP, min_tokens=8, fmt=conn.fmt)
-    load = conn.batched_to_gpu
-
-    def recording_load(objs, starts, ends, **kw):
-        conn.loaded_ranges = list(zip(starts, ends))
-        return load(objs, starts, ends, **kw)
-
-    conn.batched_to_gpu = recording_load
+    mode = CacheMode(SegmentTokenDatabase(meta, SEP, min_tokens=8, fmt=conn.fmt))
+    engine = LMCacheEngineBuilder.get_or_create("blend-e2e", config, meta, conn, mode)
     geo = dict(num_layers=L, num_blocks=16, block_size=8, num_kv_heads=H, head_size=D, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     try:

@@ -1,10 +1,12 @@
 import torch
 import pytest
 
-from lmcache_triton.blend.segments import SegmentTokenDatabase, separator_ids, split_segments
+from lmcache_triton.engine.token_database import SegmentTokenDatabase, separator_ids, split_segments
+from lmcache_triton.keys import KeyScope
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.engine.token_database import ChunkedTokenDatabase
+from lmcache_triton.keys import KeyScope
 
 SEP = [7, 8]
 
@@ -43,7 +45,7 @@ def test_same_document_same_key_anywhere_different_documents_differ():
     assert (key.model_name, key.world_size, key.worker_id, key.dtype, key.fmt) == ("org/model-7b", 1, 0, "bfloat16",
                                                                                    "KV_T2D")
     assert key != _db(model_name="org/other").make_key(bytes.fromhex(key.chunk_hash))
-    assert [k for *_, k in db.process_tokens(doc, namespace="salt")][0] != key
+    assert [k for *_, k in db.process_tokens(doc, scope=KeyScope(namespace="salt"))][0] != key
     chunk = ChunkedTokenDatabase(4, _meta(), fmt="KV_T2D")
     assert next(iter(chunk.process_tokens(doc)))[2] != key
 
@@ -78,7 +80,7 @@ def test_multimodal_inputs_change_the_segment_they_sit_in_wherever_it_appears():
     db = _db()
 
     def keys(tokens, spans):
-        return {tuple(tokens[s:e]): k for s, e, k in db.process_tokens(tokens, mm_spans=spans)}
+        return {tuple(tokens[s:e]): k for s, e, k in db.process_tokens(tokens, scope=KeyScope(mm_spans=spans))}
 
     first = keys(doc + SEP + q, [(1, 2, "img-a")])           # image inside doc at offset 1
     moved = keys(q + SEP + doc, [(len(q) + 2 + 1, 2, "img-a")])
@@ -91,15 +93,15 @@ def test_multimodal_inputs_change_the_segment_they_sit_in_wherever_it_appears():
 
 def test_lookup_counts_tokens_outside_cacheable_segments_as_blending_ineligible():
     from lmcache_triton import create_gpu_connector
-    from lmcache_triton.engine.engine import LMCacheEngine
+    from lmcache_triton.engine.engine import CacheMode, LMCacheEngine
     from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
     config = LMCacheEngineConfig.from_defaults(chunk_size=4, max_local_cpu_size=0.01, use_layerwise=True,
                                                enable_blending=True, blend_min_tokens=3)
     meta = _meta()
     conn = create_gpu_connector(config, meta, "vllm_cpu")
-    engine = LMCacheEngine(config, meta, conn, token_database=SegmentTokenDatabase(meta, SEP, min_tokens=3,
-                                                                                   fmt=conn.fmt))
+    engine = LMCacheEngine(config, meta, conn, mode=CacheMode(SegmentTokenDatabase(meta, SEP, min_tokens=3,
+                                                                                  fmt=conn.fmt)))
     try:
         doc, short = [40, 41, 42, 43], [60, 61]
         tokens = doc + SEP + short

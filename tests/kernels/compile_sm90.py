@@ -2,7 +2,7 @@
 arguments its public launcher really passes, on a host without a GPU.
 
 Run with TRITON_INTERPRET unset (tests/kernels/test_compile_sm90.py does, in a subprocess): the
-launchers are driven with CPU tensors, `_use_triton` is forced on and each `kernel[grid](...)` is
+launchers are driven with CPU tensors, `use_triton` is forced on and each `kernel[grid](...)` is
 recorded instead of launched; each recorded call is then specialized by Triton's own binder for an
 sm_90 target and compiled. Prints one JSON line per launch:
 {"case", "kernel", "vector_loads", "vector_stores"} (how many `ld/st.global.v4` in the PTX) and
@@ -141,7 +141,7 @@ def main() -> int:
         return 2
     recorders: dict[str, Recorder] = {}
     for module, names in KERNELS.items():
-        module._use_triton = lambda device: True
+        module.use_triton = lambda device: True
         for name in names:
             recorders[name] = Recorder(getattr(module, name))
             setattr(module, name, recorders[name])

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from lmcache_triton.kernels import (kv_deviation, kv_deviation_ref, num_recompute_tokens, paged_copy,
-                                    select_recompute_tokens, select_recompute_tokens_ref, selective_write,
-                                    selective_write_ref)
+from lmcache_triton.kernels import (kv_deviation, kv_deviation_ref, num_recompute_tokens, select_recompute_tokens,
+                                    select_recompute_tokens_ref, selective_write, selective_write_ref, use_triton)
 
 SENTINEL = 0x5A
 
@@ -229,4 +228,4 @@ def test_selective_write_bad_input(fn, dst, src, idx, name):
 def test_triton_path_is_exercised():
     if torch.cuda.is_available():
         return
-    assert paged_copy._use_triton(torch.device("cpu")), "TRITON_INTERPRET was not set before the kernels were imported"
+    assert use_triton(torch.device("cpu")), "TRITON_INTERPRET was not set before the kernels were imported"

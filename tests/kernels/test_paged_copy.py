@@ -1,4 +1,6 @@
-"""Paged gather/scatter kernels vs. their pure-torch references (bit-exact, sentinel-filled)."""
+"""Paged gather/scatter kernels vs. their pure-torch references (bit-exact, sentinel-filled).
+
+Both against the independent oracle, kernels/naive.py: test_naive_oracle.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 from lmcache_triton.kernels import (LAYOUTS, kv_geometry, kv_views, paged_gather, paged_gather_layer,
                                     paged_gather_layer_ref, paged_gather_ref, paged_scatter,
                                     paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref)
-from lmcache_triton.kernels import paged_copy
+from lmcache_triton.kernels import paged_copy, use_triton
+from lmcache_triton.kernels.common import INTERPRETED
 
 from lmcache_triton.tools.testing import PACKED_ORDERS as PERMS  # noqa: E402  vLLM's 6 stride orders
 DTYPES = [
@@ -294,37 +297,21 @@ def test_vector_width_hint(case, dtype, expected):
     caches = case.caches(dtype, "cpu", lambda s: torch.zeros(s, dtype=dtype))
     layers = prepare_layers(caches, case.layout)
     kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - layers.k[0].data_ptr()) // layers.k[0].element_size()
-    assert paged_copy._vec(layers, kv_off) == expected
+    assert paged_copy.vector_width(layers, kv_off) == expected
     # a layer view starting one element off a 16-byte boundary never gets the hint
     flat = torch.zeros(sum(c.numel() for c in caches) + 1, dtype=dtype)[1:]
     shifted = flat[:caches[0].numel()].view(caches[0].shape) if caches[0].is_contiguous() else None
     if shifted is not None:
-        assert paged_copy._vec(prepare_layers([shifted], case.layout), kv_off) == 1
-
-
-def test_reference_semantics():
-    """The reference itself against a per-token loop over the documented formula."""
-    case = Case("vllm_packed", "BLHNC", block_size=16, heads=3, head_size=8, num_tokens=20)
-    _, caches, slots = setup(case, torch.float32, "cpu")
-    out = paged_gather_ref(caches, slots, case.layout)
-    for l, c in enumerate(caches):
-        k, v = kv_views(c, case.layout)
-        for t, s in enumerate(slots.tolist()):
-            if s < 0:
-                assert torch.all(out[:, l, t] == 0)
-                continue
-            b, o = divmod(s, case.block_size)
-            assert torch.equal(bits(out[0, l, t]), bits(k[b, o].reshape(-1)))
-            assert torch.equal(bits(out[1, l, t]), bits(v[b, o].reshape(-1)))
+        assert paged_copy.vector_width(prepare_layers([shifted], case.layout), kv_off) == 1
 
 
 def test_triton_path_is_exercised():
     if torch.cuda.is_available():
         return
-    assert paged_copy._INTERPRETED, (
+    assert INTERPRETED, (
         "lmcache_triton.kernels was imported before TRITON_INTERPRET=1 was set, so the CPU tests "
         "only compare the reference with itself; set it in the first conftest that runs")
-    assert paged_copy._use_triton(torch.device("cpu"))
+    assert use_triton(torch.device("cpu"))
 
 
 def test_slot_mapping_on_other_device_and_int32(device):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_triton.kernels import paged_copy, rope_rerotate, rope_rerotate_ref
+from lmcache_triton.kernels import rope_rerotate, rope_rerotate_ref, use_triton
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 SENTINEL = -7.0
@@ -187,4 +187,4 @@ def test_bad_input_raises(fn, over, name, device):
 def test_triton_path_is_exercised():
     if torch.cuda.is_available():
         return
-    assert paged_copy._use_triton(torch.device("cpu")), "TRITON_INTERPRET was not set before the kernels were imported"
+    assert use_triton(torch.device("cpu")), "TRITON_INTERPRET was not set before the kernels were imported"

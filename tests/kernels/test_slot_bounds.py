@@ -7,7 +7,7 @@ bytes in a gathered row, or as bytes written into another layer. The bad slots a
 unmasked kernel lands inside the guards (not in unmapped memory), except the "huge" set, which an
 unmasked kernel would fault on.
 
-The Triton code is reached through `paged_copy._gather` / `_scatter` (the launchers' own entry
+The Triton code is reached through `paged_copy.gather_into` / `scatter_from` (the launchers' own entry
 below their argument checks): with CPU tensors the public launchers now refuse these slots first.
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, see conftest.py), on a CUDA
 host natively.
@@ -23,7 +23,7 @@ import torch
 from lmcache_triton.kernels import (blend, paged_copy, paged_gather, paged_gather_layer, paged_gather_layer_ref,
                                     paged_gather_ref, paged_scatter, paged_scatter_layer,
                                     paged_scatter_layer_ref, paged_scatter_ref, selective_write,
-                                    selective_write_ref)
+                                    selective_write_ref, use_triton)
 from lmcache_triton.kernels.common import prepare_layers
 from lmcache_triton.kernels.reference import as_2ltd
 
@@ -113,7 +113,7 @@ def random_chunk(shape, dtype, seed, device="cpu") -> torch.Tensor:
 @pytest.fixture
 def triton_device(device) -> str:
     """The device fixture, where the Triton kernels run on it (CUDA, or CPU in the interpreter)."""
-    if not paged_copy._use_triton(torch.device(device)):
+    if not use_triton(torch.device(device)):
         pytest.skip("the Triton kernels run on CPU tensors only in the interpreter")
     return device
 
@@ -130,7 +130,7 @@ def test_gather_out_of_range_slots_are_padding(case, dtype, kind, triton_device)
     slots, clean, bad = (t.to(dev) for t in mapping(case, kind))
     expected = paged_gather_ref(caches, clean, case.layout, out=sentinel_chunk(case.chunk_shape(), dtype, dev))
     out = sentinel_chunk(case.chunk_shape(), dtype, dev)
-    paged_copy._gather(prepare_layers(caches, case.layout), slots, out)
+    paged_copy.gather_into(prepare_layers(caches, case.layout), slots, out)
     assert torch.all(bits(out)[:, :, bad] == bits(sentinel_chunk((1,), dtype, dev))[0]), \
         "rows of out-of-range slots must keep the destination's sentinel"
     assert torch.equal(bits(out), bits(expected))
@@ -147,7 +147,7 @@ def test_scatter_out_of_range_slots_are_padding(case, dtype, kind, triton_device
     slots, clean, _ = (t.to(dev) for t in mapping(case, kind))
     chunk = random_chunk(case.chunk_shape(), dtype, seed=2, device=dev)
     paged_scatter_ref(chunk, expected, clean, case.layout)
-    paged_copy._scatter(prepare_layers(caches, case.layout), slots, chunk)
+    paged_copy.scatter_from(prepare_layers(caches, case.layout), slots, chunk)
     got.assert_guards_intact()
     for i, (a, b) in enumerate(zip(got.buffers, want.buffers)):  # guards, every layer, every block
         assert torch.equal(a, b), f"allocation {i} differs from a scatter of the in-range slots only"
@@ -165,7 +165,7 @@ def test_single_layer_out_of_range_slots_are_padding(case, kind, triton_device):
     out = sentinel_chunk(case.layer_shape(), dtype, dev)
     expected = paged_gather_layer_ref(caches[1], clean, case.layout,
                                       out=sentinel_chunk(case.layer_shape(), dtype, dev))
-    paged_copy._gather(layer, slots, as_2ltd(out, True, mla))
+    paged_copy.gather_into(layer, slots, as_2ltd(out, True, mla))
     assert torch.all(bits(out)[bad] == bits(sentinel_chunk((1,), dtype, dev))[0])
     assert torch.equal(bits(out), bits(expected))
     src.assert_guards_intact()
@@ -174,7 +174,7 @@ def test_single_layer_out_of_range_slots_are_padding(case, kind, triton_device):
     caches, ref = case.caches(dtype, dev, got), case.caches(dtype, dev, want)
     chunk = random_chunk(case.layer_shape(), dtype, seed=5, device=dev)
     paged_scatter_layer_ref(chunk, ref[1], clean, case.layout)
-    paged_copy._scatter(prepare_layers([caches[1]], case.layout, name="kv_cache"), slots,
+    paged_copy.scatter_from(prepare_layers([caches[1]], case.layout, name="kv_cache"), slots,
                         as_2ltd(chunk, True, mla))
     got.assert_guards_intact()
     for i, (a, b) in enumerate(zip(got.buffers, want.buffers)):

@@ -1,11 +1,10 @@
-"""Tuned tile configs (kernels/tuning.py) reach the launchers; bad files fall back with one warning.
-
-Also: the whole-block fast path of the pure-torch reference equals a per-token oracle.
-"""
+"""Tuned tile configs (kernels/tuning.py) reach the launchers; bad files fall back with one warning;
+the tuner never selects a tile whose output differs from the oracle."""
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from lmcache_triton.kernels import paged_copy, paged_gather, paged_gather_ref, paged_scatter, paged_scatter_ref
 from lmcache_triton.kernels import tuning
-from lmcache_triton.kernels.layouts import kv_views
+from lmcache_triton.kernels.naive import naive_gather
 from lmcache_triton.tools.testing import make_kv_caches
 
 HEADS, HEAD_SIZE = 2, 32  # hidden 64: the heuristic picks (64, 64, 4)
@@ -35,10 +34,10 @@ def write(path, configs, version=1):
 
 def test_tuned_entry_selects_the_tile(tuning_path):
     write(tuning_path, {"gather/64/2": TUNED})
-    assert paged_copy._tile(64, 2, "gather") == (2, 16, 1)
-    assert paged_copy._tile(64, 2, "scatter") == (64, 64, 4)    # the heuristic's choice     # other direction: no entry
-    assert paged_copy._tile(64, 4, "gather") == paged_copy._tile(64, 4, "scatter")  # other dtype size
-    assert paged_copy._tile(128, 2, "gather") != (2, 16, 1)     # other hidden
+    assert paged_copy.tile(64, 2, "gather") == (2, 16, 1)
+    assert paged_copy.tile(64, 2, "scatter") == (64, 64, 4)    # the heuristic's choice     # other direction: no entry
+    assert paged_copy.tile(64, 4, "gather") == paged_copy.tile(64, 4, "scatter")  # other dtype size
+    assert paged_copy.tile(128, 2, "gather") != (2, 16, 1)     # other hidden
 
 
 def test_save_round_trips(tuning_path):
@@ -53,7 +52,7 @@ def test_save_round_trips(tuning_path):
 def test_non_default_tile_is_bit_exact(tuning_path, layout):
     heads, hs = (1, 64) if layout == "mla" else (HEADS, HEAD_SIZE)
     write(tuning_path, {"gather/64/2": TUNED, "scatter/64/2": TUNED})
-    assert paged_copy._tile(64, 2, "scatter") == (2, 16, 1)
+    assert paged_copy.tile(64, 2, "scatter") == (2, 16, 1)
     geo = dict(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=heads, head_size=hs, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     src = make_kv_caches(layout, generator=g, **geo)
@@ -79,56 +78,67 @@ def test_non_default_tile_is_bit_exact(tuning_path, layout):
 def test_corrupt_file_falls_back_with_one_warning(tuning_path, content):
     tuning_path.write_text(content)
     with pytest.warns(RuntimeWarning, match="ignoring kernel tuning file"):
-        tile = paged_copy._tile(64, 2, "gather")
+        tile = paged_copy.tile(64, 2, "gather")
     assert tile == (64, 64, 4)                              # the heuristic's choice
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert paged_copy._tile(64, 2, "gather") == tile    # loaded once: no second warning
+        assert paged_copy.tile(64, 2, "gather") == tile    # loaded once: no second warning
 
 
 def test_missing_file(tuning_path, monkeypatch):
     with pytest.warns(RuntimeWarning):                     # named by the env var, but absent
-        paged_copy._tile(64, 2, "gather")
+        paged_copy.tile(64, 2, "gather")
     monkeypatch.delenv(tuning.ENV_VAR)
     monkeypatch.setenv("HOME", str(tuning_path.parent))    # default path, absent: the normal case
     tuning.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert paged_copy._tile(64, 2, "gather") == (64, 64, 4)
+        assert paged_copy.tile(64, 2, "gather") == (64, 64, 4)
 
 
-# ---------------------------------------------------------------- reference fast path
+# ---------------------------------------------------------------- the tuner checks before it times
 
-def _naive_gather(caches, slots, layout, out):
-    for l, c in enumerate(caches):
-        for kv, view in enumerate(v for v in kv_views(c, layout) if v is not None):
-            for t, s in enumerate(slots.tolist()):
-                if s >= 0:
-                    out[kv, l, t] = view[s // view.shape[1], s % view.shape[1]].reshape(-1)
-    return out
+def test_tuner_rejects_a_tile_whose_output_is_wrong(tuning_path, monkeypatch):
+    """A kernel that is wrong under one tile only (one byte flipped) is rejected although it is the
+    fastest; so is a tile that fails to run. The fastest correct tile wins, and the trials say why."""
+    write(tuning_path, {})
+    layout, key = "flash_attn", tuning.config_key("gather", 64, 2)
+    caches = make_kv_caches(layout, num_layers=2, num_blocks=6, block_size=16, num_kv_heads=HEADS,
+                            head_size=HEAD_SIZE, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    slots = torch.tensor([48, 49, 50, -1, 3, 70, 71, 20, 21, 22, 23, -1, 90], dtype=torch.int64)
+    shape = (2, 2, len(slots), 64)
+    expected = naive_gather(caches, slots, layout, out=torch.full(shape, 7.0, dtype=torch.bfloat16))
+    fast_but_wrong, failing = tuning.TileConfig(4, 32, 2), tuning.TileConfig(1, 16, 1)
+    correct = [tuning.TileConfig(2, 16, 1), tuning.TileConfig(8, 64, 4)]
 
+    def current() -> tuning.TileConfig:
+        return tuning.TileConfig(*paged_copy.tile(64, 2, "gather"))
 
-@pytest.mark.parametrize("layout,order", [("vllm_cpu", "LBNHC"), ("vllm_packed", "LBNHC"),
-                                          ("vllm_packed", "LBHNC"), ("flash_attn", "LBNHC"), ("mla", "LBNHC")])
-def test_reference_whole_block_path(layout, order):
-    """Whole aligned blocks, an unaligned run, padding and a partial tail, in one slot mapping."""
-    heads, hs = (1, 16) if layout == "mla" else (2, 8)
-    geo = dict(num_layers=2, num_blocks=12, block_size=4, num_kv_heads=heads, head_size=hs,
-               dtype=torch.float16, order=order)
-    src = make_kv_caches(layout, generator=torch.Generator().manual_seed(1), **geo)
-    slots = torch.tensor([8, 9, 10, 11,  20, 21, 22, 23,  13, 14, 15, 16,  -1, 1, 2, 3,  44, 45, 46, 47,
-                          28, 29], dtype=torch.int64)
-    nkv, hidden = (1, 16) if layout == "mla" else (2, 16)
-    shape = (nkv, 2, len(slots), hidden)
-    got = paged_gather_ref(src, slots, layout, out=torch.full(shape, 5.0, dtype=torch.float16))
-    want = _naive_gather(src, slots, layout, torch.full(shape, 5.0, dtype=torch.float16))
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    dst = make_kv_caches(layout, fill=9.0, **geo)
-    paged_scatter_ref(got, dst, slots, layout)
-    back = paged_gather_ref(dst, slots, layout, out=torch.full(shape, 5.0, dtype=torch.float16))
-    assert torch.equal(back.view(torch.int16), got.view(torch.int16))
-    untouched = torch.ones(12 * 4, dtype=torch.bool)
-    untouched[slots[slots >= 0]] = False
-    rest = torch.arange(48)[untouched]
-    after = paged_gather_ref(dst, rest, layout)
-    assert bool((after == 9.0).all())
+    real = paged_copy.gather_into
+
+    def broken(layers, slots, out4):
+        if current() == failing:
+            raise RuntimeError("out of shared memory")
+        real(layers, slots, out4)
+        if current() == fast_but_wrong:
+            out4.view(torch.uint8).view(-1)[5] ^= 1
+
+    monkeypatch.setattr(paged_copy, "gather_into", broken)
+    out = torch.empty(shape, dtype=torch.bfloat16)
+
+    def check():
+        out.fill_(7.0)
+        paged_gather(caches, slots, layout, out=out)
+        same = torch.equal(out.view(torch.int16), expected.view(torch.int16))
+        return None if same else "differs from the oracle"
+
+    ms = {fast_but_wrong: 1.0, failing: 0.5, correct[0]: 3.0, correct[1]: 2.0}
+    best, trials = tuning.pick(key, [fast_but_wrong, failing, *correct], check, lambda: ms[current()])
+    assert best == correct[1]
+    why = {t.config: t.rejected for t in trials}
+    assert why == {fast_but_wrong: "differs from the oracle", failing: "RuntimeError: out of shared memory",
+                   correct[0]: "", correct[1]: ""}
+    assert [t.ms for t in trials] == [math.inf, math.inf, 3.0, 2.0]
+    assert [t.raised for t in trials] == [False, True, False, False]
+    assert paged_copy.tile(64, 2, "gather") == (64, 64, 4)   # the candidates are gone again
+    assert tuning.pick(key, [fast_but_wrong], check, lambda: 1.0)[0] is None

@@ -8,7 +8,7 @@ from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_disk import LocalDiskBackend
 from lmcache_triton.storage.remote import create_remote_backend
 from lmcache_triton.tools.testing import fill_random_
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 LAYERS, TOKENS, HEADS, HEAD, C = 3, 13, 2, 16, 40
 FORMATS = {  # name -> (format, shape, use_mla)

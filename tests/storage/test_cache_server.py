@@ -3,25 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import re
+import socket
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from lmcache_triton.server import wire
 from lmcache_triton.server.cache_server import (
-    DiskMirror,
     ReplyBudget,
     add_server_parser,
     add_stats_parser,
     config_from_args,
 )
-from lmcache_triton.storage.remote import CacheServerClient, RemoteError
 from lmcache_triton.server.wire import Command, Status
+from lmcache_triton.storage import serde
+from lmcache_triton.storage.chunk_files import ChunkFiles
+from lmcache_triton.storage.local_disk import LocalDiskBackend
+from lmcache_triton.storage.memory import MemoryFormat
+from lmcache_triton.storage.remote import CacheServerClient, RemoteError, create_remote_backend
 
 pytestmark = pytest.mark.slow
 
@@ -207,36 +216,86 @@ def test_lru_never_exceeds_capacity_and_evicts_least_recently_used(start_cache_s
     assert c.stats()["evictions"] >= 8
 
 
+def _chunk(name: str, fill: int, hidden: int = 4096) -> bytes:
+    """A chunk as lmcache_triton clients PUT it: serde bytes whose header names `name`
+    (hidden=4096: 262_144 bytes of bf16 payload; 15625: 1_000_000)."""
+    tensor = torch.full((2, 1, 16, 2 * hidden), fill, dtype=torch.uint8).view(torch.bfloat16)
+    return serde.serialize(name, tensor, MemoryFormat.KV_2LTD)
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    return sorted(root.glob("??/*.safetensors"))
+
+
 def test_persistence_survives_restart(start_cache_server, tmp_path) -> None:
-    server = start_cache_server("--disk", str(tmp_path / "store"), "--max-size-gb", "0.001")
+    store = tmp_path / "store"
+    server = start_cache_server("--disk", str(store), "--max-size-gb", "0.001")
     c = client_for(server)
-    c.put(b"old", b"1" * 300_000)
-    c.put(b"mid", b"2" * 300_000)
-    c.put(b"new", b"3" * 300_000)
+    old, mid, new = _chunk("old", 1), _chunk("mid", 2), _chunk("new", 3)
+    c.put(b"old", old)
+    c.put(b"mid", mid)
+    c.put(b"new", new)
     c.delete(b"mid")
-    c.put(b"tmp", b"4")
+    c.put(b"opaque", b"4")  # not a chunk: served from memory, never written to disk
+    c.put(b"liar", new)     # a chunk under another key than its own: not written either
     assert c.get(b"old") is not None
+    stats = c.stats()
+    assert stats["not_persisted"] == 2 and stats["disk"]["chunks"] == 2 and stats["disk"]["put_failures"] == 0
     server.restart()  # SIGKILL then start on the same port and directory
     c2 = client_for(server)
-    assert bytes(c2.get(b"old")) == b"1" * 300_000
-    assert bytes(c2.get(b"new")) == b"3" * 300_000
-    assert c2.get(b"mid") is None
-    assert c2.stats()["keys"] == 3
-    assert not list((tmp_path / "store").glob("*.tmp"))
+    assert bytes(c2.get(b"old")) == old and bytes(c2.get(b"new")) == new
+    assert c2.get(b"mid") is None and c2.get(b"opaque") is None and c2.get(b"liar") is None
+    assert c2.stats()["keys"] == 2
+    assert len(_chunk_files(store)) == 2 and not list(store.rglob(".tmp-*"))
+
+
+def test_a_server_folder_is_a_disk_tier_folder(start_cache_server, tmp_path, pool, make_chunk, kv_metadata) -> None:
+    """One format: chunks the server persisted are read by an engine's disk tier, and a server
+    started over a disk tier's folder serves that tier's chunks."""
+    served = tmp_path / "served"
+    server = start_cache_server("--disk", str(served))
+    remote = create_remote_backend(server.url, kv_metadata, timeout_s=2.0)
+    chunks = [make_chunk(pool, seed) for seed in range(3)]
+    for obj, key in chunks:
+        assert remote.put(key, obj)
+    remote.close()
+    server.kill()
+    disk = LocalDiskBackend(served, 1 << 20, kv_metadata)
+    assert set(disk.keys()) == {key for _, key in chunks}
+    for obj, key in chunks:
+        got = disk.get(key, pool.allocate)
+        assert got is not None and torch.equal(got.tensor.view(torch.uint8), obj.tensor.view(torch.uint8))
+    extra, extra_key = make_chunk(pool, seed=9)
+    assert disk.put(extra_key, extra)
+    disk.close()
+    server = start_cache_server("--disk", str(served))
+    c = client_for(server)
+    assert bytes(c.get(extra_key.to_string().encode())) == serde.serialize(extra_key, extra.tensor, extra.fmt)
+    assert c.stats()["keys"] == 4
 
 
 def test_restart_over_a_larger_disk_folder_reads_only_what_fits(start_cache_server, tmp_path) -> None:
-    """60 MB on disk, 10 MB of capacity: the newest entries that fit are served, the older files
-    are deleted unread, and the server's peak memory is that of the entries it keeps."""
+    """60 MB of chunks on disk, 10 MB of capacity: the newest chunks that fit are served, the older
+    files are deleted unread, and the server's peak memory is that of the chunks it keeps. The scan
+    is the disk tier's: a corrupt file is deleted, another version's is kept, a dead writer's temp
+    file is deleted and a live one's kept."""
     store = tmp_path / "store"
-    mirror = DiskMirror(str(store))
-    keys = [f"k{i:02d}".encode() for i in range(60)]
-    for i, k in enumerate(keys):  # 1_000_003 bytes each with the key: 9 fit in 10 MB
-        mirror.write(k, memoryview(bytes([i]) * 1_000_000))
-        os.utime(mirror._path(k), (1_000_000 + i, 1_000_000 + i))  # k59 most recently used
-    bad_head = store / ("0" * 64 + ".kv")  # a key length past the end of the file: skipped, kept
-    bad_head.write_bytes(struct.pack("<4sI", b"LMCS", 1 << 30) + b"k")
-    (store / "partial.tmp").write_bytes(b"half a write")
+    files = ChunkFiles(store, 1 << 30, key_name=str, claim=lambda header: header.key)
+    keys = [f"k{i:02d}" for i in range(60)]
+    for i, k in enumerate(keys):  # ~1_000_400 bytes each with the key: 9 fit in 10 MB
+        assert files.store(k, lambda i=i, k=k: [_chunk(k, i, hidden=15625)])
+        os.utime(files.path_for(k), (1_000_000 + i, 1_000_000 + i))  # k59 most recently used
+    corrupt = files.path_for("corrupt")
+    corrupt.parent.mkdir(exist_ok=True)
+    corrupt.write_bytes(_chunk("corrupt", 7)[:-10])  # truncated
+    newer = files.path_for("newer")
+    newer.parent.mkdir(exist_ok=True)
+    newer.write_bytes(_rewrite_version(_chunk("newer", 8), "2"))
+    shard = files.path_for(keys[0]).parent
+    dead_temp = shard / f".tmp-{'0' * 32}-{_host()}-{_dead_pid()}-{'a' * 12}"
+    live_temp = shard / f".tmp-{'0' * 32}-{_host()}-{os.getpid()}-{'b' * 12}"
+    dead_temp.write_bytes(b"half a write")
+    live_temp.write_bytes(b"a write in flight")
 
     baseline = start_cache_server("--disk", str(tmp_path / "empty"), "--max-size-gb", "0.01")
     base_peak = _proc_status(baseline.proc.pid, "VmHWM")
@@ -246,10 +305,36 @@ def test_restart_over_a_larger_disk_folder_reads_only_what_fits(start_cache_serv
     assert peak < base_peak + (40 << 20), f"reloading 10 MB of 60 took {(peak - base_peak) >> 20} MiB"
 
     c = client_for(server)
-    assert c.exists(keys) == [False] * 51 + [True] * 9
-    assert bytes(c.get(keys[-1])) == bytes([59]) * 1_000_000 and bytes(c.get(keys[51])) == bytes([51]) * 1_000_000
-    assert c.stats()["keys"] == 9
-    assert sorted(store.iterdir()) == sorted([mirror._path(k) for k in keys[51:]] + [bad_head])
+    assert c.exists([k.encode() for k in keys]) == [False] * 51 + [True] * 9
+    assert bytes(c.get(b"k59")) == _chunk("k59", 59, hidden=15625)
+    assert bytes(c.get(b"k51")) == _chunk("k51", 51, hidden=15625)
+    stats = c.stats()
+    assert stats["keys"] == 9 and stats["disk"]["corrupt"] == 1 and stats["disk"]["hits"] == 9
+    assert _chunk_files(store) == sorted([files.path_for(k) for k in keys[51:]] + [newer])
+    assert not dead_temp.exists() and live_temp.exists()
+
+
+def _rewrite_version(data: bytes, version: str) -> bytes:
+    """A chunk as a writer of another format version would leave it (its header checksum redone)."""
+    n = struct.unpack_from("<Q", data)[0]
+    header = json.loads(data[8:8 + n])
+    meta = header["__metadata__"]
+    meta["version"] = version
+    del meta["header_crc"]
+    meta["header_crc"] = serde._crc(serde._canonical(header))
+    hb = serde._canonical(header)
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb + data[8 + n:]
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown"
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
 
 
 def test_slow_reader_does_not_stall_others(start_cache_server) -> None:
@@ -374,3 +459,12 @@ def test_req_socket_client_works(cache_server) -> None:
     reply = wire.decode_reply(sock.recv_multipart())
     assert (reply.status, reply.request_id, reply.command) == (Status.OK, 5, Command.PUT)
     sock.close(0)
+
+
+def test_the_server_imports_no_torch() -> None:
+    """--disk reads chunk headers without torch: a server process starts in a fraction of a second
+    and without torch's ~200 MB."""
+    code = ("import sys; import lmcache_triton.server.cache_server; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr

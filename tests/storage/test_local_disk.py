@@ -15,7 +15,7 @@ from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.base import StorageBackend
 from lmcache_triton.storage.local_disk import LocalDiskBackend
 from lmcache_triton.storage.serde import read_header
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 REPO = Path(__file__).resolve().parents[2]
 F = MemoryFormat.KV_2LTD
@@ -72,10 +72,10 @@ def test_put_get_exact_bytes(tmp_path, pool, compression):
     assert path.suffix == ".safetensors" and path.parent.name == path.name[:2]
     assert read_header(path.read_bytes()).compression == compression
     s = b.stats()
-    assert (s["puts"], s["gets"], s["hits"], s["misses"], s["corrupt"]) == (1, 2, 1, 1, 0)
-    assert s["used_bytes"] == path.stat().st_size and s["capacity_bytes"] == 1 << 20
+    assert (s.puts, s.hits, s.misses, s.corrupt, s.errors, s.chunks) == (1, 1, 1, 0, 0, 1)
+    assert s.used_bytes == path.stat().st_size and s.capacity_bytes == 1 << 20
     assert b.remove(_key(1)) and not b.remove(_key(1)) and _files(tmp_path) == []
-    assert b.stats()["used_bytes"] == 0
+    assert b.stats().used_bytes == 0
     b.close()
     b.close()  # idempotent
     assert not b.contains(_key(1)) and not b.put(_key(3), _obj(3))
@@ -88,7 +88,7 @@ def test_persists_across_backends(tmp_path, pool):
     b.close()
     b2 = _backend(tmp_path)
     assert set(b2.keys()) == {_key(i) for i in range(3)}
-    assert b2.stats()["used_bytes"] == sum(p.stat().st_size for p in _files(tmp_path))
+    assert b2.stats().used_bytes == sum(p.stat().st_size for p in _files(tmp_path))
     for i in range(3):
         got = b2.get(_key(i), pool.allocate)
         assert got is not None and _same(got.tensor, _tensor(i))
@@ -101,7 +101,7 @@ import torch
 from lmcache_triton.storage.memory import MemoryObj, MemoryFormat
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_disk import LocalDiskBackend
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 meta = LMCacheEngineMetadata({MODEL!r}, 1, 0, torch.bfloat16, {(2, 2, 16, 2, 8)!r})
 g = torch.Generator().manual_seed(7)
 t = torch.randint(0, 256, ({2 * 2 * 16 * 16 * 2},), dtype=torch.uint8, generator=g).view(torch.bfloat16).view({SHAPE!r})
@@ -137,7 +137,7 @@ def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path, pool, damage):
     assert b.get(_key(1), pool.allocate) is None
     assert pool.used_bytes == used, "an allocation for a corrupt chunk must be freed"
     s = b.stats()
-    assert (s["corrupt"], s["misses"], s["hits"], s["used_bytes"]) == (1, 1, 0, 0)
+    assert (s.corrupt, s.misses, s.hits, s.used_bytes) == (1, 1, 0, 0)
     assert not path.exists() and not b.contains(_key(1))
 
 
@@ -160,9 +160,9 @@ def test_corrupt_file_found_at_start(tmp_path, pool, damage):
     if damage == "flip_payload":
         assert b2.contains(_key(1))  # the scan reads headers only
     else:
-        assert not b2.contains(_key(1)) and not path.exists() and b2.stats()["corrupt"] == 1
+        assert not b2.contains(_key(1)) and not path.exists() and b2.stats().corrupt == 1
     assert b2.get(_key(1), pool.allocate) is None
-    assert b2.stats()["corrupt"] == 1 and not path.exists()
+    assert b2.stats().corrupt == 1 and not path.exists()
     got = b2.get(_key(2), pool.allocate)
     assert got is not None and _same(got.tensor, _tensor(2))
 
@@ -178,7 +178,7 @@ def test_other_models_files_are_never_served_nor_deleted(tmp_path, pool):
     before = _files(tmp_path)
 
     b = _backend(tmp_path)
-    assert b.keys() == [] and b.stats()["foreign"] == 2 and b.stats()["used_bytes"] == 0
+    assert b.keys() == [] and b.found_at_start.foreign == 2 and b.stats().used_bytes == 0
     assert _files(tmp_path) == before
 
     # a file of another model planted under the name of one of our keys: a miss, never its bytes
@@ -191,36 +191,36 @@ def test_other_models_files_are_never_served_nor_deleted(tmp_path, pool):
     # and if the planted file appears after the scan, the key check on get catches it
     b2.put(_key(4), _obj(4))
     b2.path_for(_key(4)).write_bytes(before[0].read_bytes())
-    assert b2.get(_key(4), pool.allocate) is None and b2.stats()["corrupt"] == 1
+    assert b2.get(_key(4), pool.allocate) is None and b2.stats().corrupt == 1
     assert pool.used_bytes == 0
 
 
 def test_lru_by_bytes_never_exceeds_capacity(tmp_path, pool):
     probe = _backend(tmp_path / "probe")
     probe.put(_key(0), _obj(0))
-    size = probe.stats()["used_bytes"]
+    size = probe.stats().used_bytes
     cap = 3 * size + size // 2  # room for three chunks
     b = _backend(tmp_path / "lru", max_bytes=cap)
     for i in range(3):
         assert b.put(_key(i), _obj(i))
     assert b.get(_key(0), pool.allocate) is not None  # 0 becomes the most recent; 1 is now the LRU
     assert b.put(_key(3), _obj(3))
-    assert set(b.keys()) == {_key(0), _key(2), _key(3)} and b.stats()["evictions"] == 1
+    assert set(b.keys()) == {_key(0), _key(2), _key(3)} and b.stats().evictions == 1
     assert b.put(_key(2), _obj(2))  # a put of a stored key touches it too
     assert b.put(_key(4), _obj(4))
     assert set(b.keys()) == {_key(2), _key(3), _key(4)}
     for i in range(5, 20):
         assert b.put(_key(i), _obj(i))
-        assert b.stats()["used_bytes"] <= cap
+        assert b.stats().used_bytes <= cap
         assert sum(p.stat().st_size for p in _files(tmp_path / "lru")) <= cap
-    assert b.stats()["evictions"] == 17
+    assert b.stats().evictions == 17
 
 
 def test_chunk_larger_than_capacity_is_refused(tmp_path):
     b = _backend(tmp_path, max_bytes=1000)
     assert not b.put(_key(1), _obj(1))
     s = b.stats()
-    assert (s["put_failures"], s["refused"], s["used_bytes"]) == (1, 1, 0)
+    assert (s.puts, s.put_failures, s.used_bytes, s.evictions) == (1, 1, 0, 0)
     assert _files(tmp_path) == []
 
 
@@ -234,7 +234,7 @@ def test_lru_order_survives_restart_via_mtime(tmp_path, pool):
     b.close()
     size = os.path.getsize(b.path_for(_key(0)))
     b2 = _backend(tmp_path, max_bytes=2 * size + 10)  # smaller than before: evicts the oldest
-    assert b2.keys() == [_key(2), _key(0)] and b2.stats()["evictions"] == 1
+    assert b2.keys() == [_key(2), _key(0)] and b2.stats().evictions == 1
     assert not b.path_for(_key(1)).exists()
 
 
@@ -265,7 +265,7 @@ def test_leftover_temp_files_are_cleaned_at_start(tmp_path):
     unrelated = tmp_path / "notes.txt"  # not in a shard directory: not ours, left alone
     unrelated.write_text("keep me")
     b2 = _backend(tmp_path)
-    assert b2.stats()["temp_cleaned"] == 1 and b2.keys() == [_key(1)]
+    assert b2.found_at_start.temp_cleaned == 1 and b2.keys() == [_key(1)]
     assert not crashed.exists() and unrelated.exists()
 
 
@@ -319,7 +319,7 @@ def test_start_keeps_other_writers_temp_files(tmp_path):
         live.wait()
     assert {n for n, p in keep.items() if not p.exists()} == set(), "another writer's temp file was deleted"
     assert {n for n, p in remove.items() if p.exists()} == set(), "an abandoned temp file was kept"
-    assert b2.stats()["temp_cleaned"] == len(remove) and b2.keys() == [_key(1)]
+    assert b2.found_at_start.temp_cleaned == len(remove) and b2.keys() == [_key(1)]
 
 
 def test_write_failure_is_a_counted_false(tmp_path, monkeypatch):
@@ -333,7 +333,7 @@ def test_write_failure_is_a_counted_false(tmp_path, monkeypatch):
     assert not b.put(_key(2), _obj(2))
     monkeypatch.undo()
     s = b.stats()
-    assert (s["put_failures"], s["used_bytes"], s["pending_bytes"]) == (2, 0, 0)
+    assert (s.put_failures, s.errors, s.used_bytes, s.held_chunks) == (2, 2, 0, 0)
     assert _files(tmp_path) == [], "the temp file of a failed write must not stay"
     assert b.put(_key(1), _obj(1))
 
@@ -343,7 +343,7 @@ def test_failed_allocation_is_a_miss(tmp_path):
     b.put(_key(1), _obj(1))
     assert b.get(_key(1), lambda shape, dtype, fmt: None) is None
     s = b.stats()
-    assert (s["misses"], s["alloc_failures"], s["corrupt"]) == (1, 1, 0) and b.contains(_key(1))
+    assert (s.misses, s.errors, s.corrupt) == (1, 0, 0) and b.contains(_key(1))
 
 
 def test_concurrent_puts_and_gets(tmp_path):
@@ -362,8 +362,7 @@ def test_concurrent_puts_and_gets(tmp_path):
                 if got is not None:
                     assert _same(got.tensor, _tensor((i + 3) % 40))
                     got.free()
-                s = b.stats()  # one snapshot: used and pending move together
-                assert s["used_bytes"] + s["pending_bytes"] <= cap
+                assert b.stats().used_bytes <= cap  # writes in flight count as they start
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
@@ -374,11 +373,47 @@ def test_concurrent_puts_and_gets(tmp_path):
         t.join()
     assert not errors, errors
     s = b.stats()
-    assert s["corrupt"] == 0 and s["pending_bytes"] == 0 and s["used_bytes"] <= cap
+    assert s.corrupt == 0 and s.held_chunks == 0 and s.used_bytes <= cap
     files = _files(tmp_path)
     assert all(not p.name.startswith(".tmp-") for p in files)
-    assert sum(p.stat().st_size for p in files) == s["used_bytes"] and len(files) == len(b.keys())
+    assert sum(p.stat().st_size for p in files) == s.used_bytes and len(files) == len(b.keys()) == s.chunks
     assert pool.used_bytes == 0
     b.close()
     b2 = _backend(tmp_path, max_bytes=cap)
     assert set(b2.keys()) == set(b.keys())
+
+
+def test_a_write_in_flight_is_counted_and_never_evicted(tmp_path, pool, monkeypatch):
+    """A write holds its room from its start: other puts evict stored files around it, and one that
+    could only fit by evicting it is refused, evicting nothing."""
+    probe = _backend(tmp_path / "probe")
+    probe.put(_key(0), _obj(0))
+    size = probe.stats().used_bytes
+    b = _backend(tmp_path / "b", max_bytes=2 * size + size // 2)  # two chunks fit
+    assert b.put(_key(1), _obj(1))
+    started, release = threading.Event(), threading.Event()
+    real_replace = os.replace
+
+    def slow_replace(src, dst):
+        if Path(dst) == b.path_for(_key(2)):
+            started.set()
+            assert release.wait(10)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    writer = threading.Thread(target=lambda: b.put(_key(2), _obj(2)))
+    writer.start()
+    assert started.wait(10)
+    s = b.stats()
+    assert (s.chunks, s.held_chunks, s.used_bytes) == (1, 1, 2 * size) and not b.contains(_key(2))
+    assert b.get(_key(2), pool.allocate) is None and not b.remove(_key(2))
+    big = MemoryObj(_tensor(7, (2, 2, 16, 32)), F)  # ~1.9 chunks: fits only if the write in flight went
+    assert not b.put(_key(7), big)
+    assert b.keys() == [_key(1)] and (b.stats().evictions, b.stats().put_failures) == (0, 1)
+    assert b.put(_key(3), _obj(3))  # evicts 1, the stored one, never 2
+    assert b.keys() == [_key(3)] and b.stats().evictions == 1
+    release.set()
+    writer.join(10)
+    assert b.keys() == [_key(3), _key(2)] and b.stats().held_chunks == 0
+    got = b.get(_key(2), pool.allocate)
+    assert got is not None and _same(got.tensor, _tensor(2))

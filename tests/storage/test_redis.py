@@ -43,7 +43,7 @@ def test_round_trip_exact_bytes(redis_server, pool, make_chunk, kv_metadata, sch
     assert got is not None and torch.equal(got.tensor.view(torch.uint8), obj.tensor.view(torch.uint8))
     assert b.remove(key) and not b.remove(key) and b.get(key, pool.allocate) is None
     s = b.stats()
-    assert (s["hits"], s["misses"], s["errors"], s["corrupt"]) == (1, 1, 0, 0)
+    assert (s.hits, s.misses, s.errors, s.corrupt) == (1, 1, 0, 0)
     b.close()
 
 
@@ -73,7 +73,7 @@ def test_corrupt_payload_is_a_counted_miss(redis_server, pool, make_chunk, kv_me
         assert pool.used_bytes == used
         assert not r.exists("lmct:" + key.to_string())  # removed so it can be stored again
     s = b.stats()
-    assert s["corrupt"] == 2 and s["misses"] == 2 and s["hits"] == 0
+    assert s.corrupt == 2 and s.misses == 2 and s.hits == 0
 
 
 def test_oversized_value_is_refused_without_reading_it(redis_server, pool, make_chunk, kv_metadata) -> None:
@@ -91,7 +91,7 @@ def test_oversized_value_is_refused_without_reading_it(redis_server, pool, make_
     assert sent < bound + (64 << 10), f"redis sent {sent} bytes for a chunk of at most {bound}"
     assert pool.used_bytes == used
     s = b.stats()
-    assert s["misses"] == 1 and s["hits"] == 0 and s["errors"] + s["corrupt"] == 1
+    assert s.misses == 1 and s.hits == 0 and s.errors + s.corrupt == 1
     r.delete("lmct:" + key.to_string())
     assert b.put(key, obj)  # a value within the bound is read as before
     got = b.get(key, pool.allocate)
@@ -108,7 +108,7 @@ def test_killed_and_restarted_redis(redis_server, pool, make_chunk) -> None:
         t = time.monotonic()
         assert call() == expected
         assert time.monotonic() - t < TIMEOUT_S + SLACK_S
-    assert b.stats()["errors"] >= 1
+    assert b.stats().errors >= 1
     redis_server.start()  # same port, empty: redis-py's pool reconnects by itself
     deadline = time.monotonic() + 5
     while not b.put(key, obj):
@@ -126,7 +126,7 @@ def test_unreachable_from_start_is_quick_misses(free_port, pool, make_chunk) -> 
     for _ in range(50):
         assert b.get(key, pool.allocate) is None and not b.put(key, obj) and not b.contains(key)
     assert time.monotonic() - t < 1.0 + SLACK_S
-    assert b.stats()["misses"] == 50
+    assert b.stats().misses == 50
 
 
 def test_password(start_redis_server, pool, make_chunk) -> None:

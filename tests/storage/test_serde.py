@@ -19,7 +19,7 @@ from lmcache_triton.storage.serde import (
     read_header,
     serialize,
 )
-from lmcache_triton.engine.token_database import CacheEngineKey
+from lmcache_triton.keys import CacheEngineKey
 
 F = MemoryFormat
 SHAPES = [  # odd token counts (7, 1) on purpose

@@ -17,7 +17,7 @@ def resolve_config(vllm_config: Any) -> LMCacheEngineConfig:
     mapped or warned about, as config.connector_overrides says."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     config = LMCacheEngineConfig.load(connector_overrides(extra))
-    if cpu_blocks_opaque() and config.save_unfull_chunk:
+    if cpu_blocks_opaque() and config.save_unfull_chunk and not config.enable_blending:  # blending: worker refuses AMX
         logger.warning("lmcache_triton: save_unfull_chunk is not supported by vLLM's CPU backend on AMX "
                        "CPUs (whole blocks only); disabling it")
         config = config.replace(save_unfull_chunk=False)

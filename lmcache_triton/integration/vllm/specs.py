@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from lmcache_triton.engine.token_database import MMSpan
+from lmcache_triton.keys import MMSpan
 
 
 @dataclass

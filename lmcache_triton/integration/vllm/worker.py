@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.engine.engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache_triton.engine.engine import CacheMode, LMCacheEngine, LMCacheEngineBuilder
 from lmcache_triton.engine.gpu_connector import create_gpu_connector
 from lmcache_triton.integration.vllm.common import (
     cpu_blocks_opaque,
@@ -26,6 +26,7 @@ from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqM
 from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
 from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.observability import prometheus
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -64,7 +65,7 @@ class WorkerSide:
         self.parent = parent
         self.kv_role = vllm_config.kv_transfer_config.kv_role
         self.engine: LMCacheEngine | None = None
-        self.lookup_server: LMCacheLookupServer | None = None
+        self.lookup_server: LMCacheAsyncLookupServer | None = None
         self.kvcaches: list[torch.Tensor] = []
         self.block_size = vllm_config.cache_config.block_size
         self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor]] = []
@@ -97,11 +98,15 @@ class WorkerSide:
             kv_identity=kv_identity(self.vllm_config, f"{layout}-amx" if cpu_blocks_opaque() else layout))
         connector = create_gpu_connector(self.config, metadata, layout, device=self.kvcaches[0].device)
         self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
-        token_database = self._segment_database(metadata) if self.config.enable_blending else None
-        self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.config, metadata, connector,
-                                                         token_database=token_database)
-        if self.config.enable_blending:
-            self._start_blending(connector, layout)
+        model = self._blend_model() if self.config.enable_blending else None
+        mode = self._blend_mode(metadata, model, connector) if model is not None else None
+        self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.config, metadata, connector, mode)
+        prometheus.export(self.engine, self.config.prometheus_port)
+        if model is not None:
+            from lmcache_triton.blend import LMCBlenderBuilder
+
+            self.blender = LMCBlenderBuilder.get_or_create(self.instance_id, self.engine, connector, self.config,
+                                                           model=model)
         # Lookups run in a small pool whatever the client's mode: one lookup waiting on a dead or
         # slow remote must not hold up the next, whose chunks may all be in the CPU tier.
         self.lookup_server = LMCacheAsyncLookupServer(self.engine, engine_id(self.vllm_config), rank)
@@ -109,21 +114,10 @@ class WorkerSide:
                     geo.block_size)
 
     # ---- CacheBlend ----------------------------------------------------------------------------
-    def _segment_database(self, metadata: LMCacheEngineMetadata):
-        from transformers import AutoTokenizer
-
-        from lmcache_triton.blend import SegmentTokenDatabase
-
-        mc = self.vllm_config.model_config
-        tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-        return SegmentTokenDatabase.from_config(self.config, metadata, tokenizer)
-
-    def _start_blending(self, connector: Any, layout: str) -> None:
+    def _blend_model(self) -> Any:
         """The blender runs vLLM's own loaded model layer by layer; fail here, at start, if that
         cannot work, not at the first request."""
-        from lmcache_triton.blend import LMCBlenderBuilder
         from lmcache_triton.integration.vllm.model_hook import loaded_model
-        from lmcache_triton.kernels import rope_rerotate
 
         if cpu_blocks_opaque():
             raise RuntimeError("lmcache_triton: enable_blending is not supported by vLLM's CPU backend on AMX CPUs")
@@ -134,9 +128,20 @@ class WorkerSide:
                 "captures from the model runner's load_model. It did not run: install lmcache-triton in vLLM's "
                 "environment (its vllm.general_plugins entry point), keep VLLM_PLUGINS unset or include "
                 "'lmcache_triton', and on vLLM 0.33 CUDA use the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
-        blender = LMCBlenderBuilder.get_or_create(self.instance_id, self.engine, connector, self.config, model=model)
-        rot = blender.model.rotary
-        heads, head_size = blender.model.num_kv_heads, blender.model.head_size
+        return model
+
+    def _blend_mode(self, metadata: LMCacheEngineMetadata, model: Any, connector: Any) -> CacheMode:
+        """Segment keys, and K stored as if each segment started at position 0."""
+        from transformers import AutoTokenizer
+
+        from lmcache_triton.blend import SegmentTokenDatabase, as_layerwise
+        from lmcache_triton.kernels import rope_rerotate
+
+        mc = self.vllm_config.model_config
+        tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        database = SegmentTokenDatabase.from_config(self.config, metadata, tokenizer, fmt=connector.fmt)
+        layerwise = as_layerwise(model)
+        rot, heads, head_size = layerwise.rotary, layerwise.num_kv_heads, layerwise.head_size
 
         def to_position_zero(k: torch.Tensor, start: int) -> None:
             k3 = k.view(k.shape[0], heads, head_size)
@@ -144,8 +149,7 @@ class WorkerSide:
             rope_rerotate(k3, pos, pos - start, rot.cos_sin_cache.to(k.device), is_neox=rot.is_neox,
                           rotary_dim=rot.rotary_dim, out=k3)
 
-        self.engine.key_rotation = to_position_zero
-        self.blender = blender
+        return CacheMode(database, key_rotation=to_position_zero)
 
     def _blend(self, req: ReqMeta, n: int) -> None:
         tokens = torch.tensor(req.token_ids[:n], dtype=torch.int64)
