@@ -129,9 +129,9 @@ def test_buffer_ring_and_growth():
     with pytest.raises(ValueError, match="num_buffers"):
         VLLMBufferLayerwiseGPUConnector(hidden_dim_size=32, num_layers=2, chunk_size=16, dtype=torch.bfloat16,
                                         layout="vllm_cpu", num_buffers=2)
-    small = connector._ensure_buffer(8, torch.device("cpu"))
-    assert connector._ensure_buffer(8, torch.device("cpu")) is small       # reused
-    assert connector._ensure_buffer(40, torch.device("cpu")).shape[2] >= 40  # grown
+    small = connector.ensure_buffer(8, torch.device("cpu"))
+    assert connector.ensure_buffer(8, torch.device("cpu")) is small       # reused
+    assert connector.ensure_buffer(40, torch.device("cpu")).shape[2] >= 40  # grown
 
 
 def test_blending_requires_layerwise():

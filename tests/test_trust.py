@@ -216,7 +216,10 @@ def test_memory_obj_free_is_atomic():
     for t in threads:
         t.join(5)
     assert not errors, errors
-    assert pool.used_bytes == 0 and pool._free == [(0, pool.capacity)], "the range went back to the pool twice"
+    assert pool.used_bytes == 0 and pool.free_bytes == pool.capacity
+    whole = pool.allocate((pool.capacity,), torch.uint8, MemoryFormat.KV_2LTD)
+    assert whole is not None, "the free range is no longer one piece"
+    assert pool.allocate((1,), torch.uint8, MemoryFormat.KV_2LTD) is None, "the range went back to the pool twice"
 
 
 def test_write_through_object_cannot_be_evicted_between_insert_and_pin(tmp_path):

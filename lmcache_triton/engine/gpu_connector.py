@@ -294,7 +294,8 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
         self.buffer_start = 0
         self.loaded_ranges: list[tuple[int, int]] = []
 
-    def _ensure_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+    def ensure_buffer(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """The ring of layer buffers, grown (doubling) to hold `num_tokens`; reused otherwise."""
         buf = self._buffer
         if buf is None or buf.shape[2] < num_tokens or buf.device != device:
             cap = max(num_tokens, 2 * buf.shape[2] if buf is not None and buf.device == device else 0)
@@ -330,7 +331,7 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
         parts = [target.slots(start, end) for start, end in zip(starts, ends, strict=True)]
         first = starts[0] if len(starts) else 0
         num_tokens = (ends[-1] - first) if len(ends) else 0
-        buf = self._ensure_buffer(num_tokens, kvcaches[0].device)
+        buf = self.ensure_buffer(num_tokens, kvcaches[0].device)
         self._num_tokens, self.buffer_start = num_tokens, first
         self.loaded_ranges = list(zip(starts, ends))  # the blender's cached rows; gaps stay uncached
         self._resident = [None] * self.num_buffers
