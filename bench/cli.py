@@ -58,6 +58,7 @@ COMMANDS = {
     "kernels": Command(("bench.kernels",), "paged gather/scatter GB/s vs the torch reference and a plain copy",
                        own_plot=True),
     "engine": Command(("bench.engine",), "store/lookup/retrieve of one long prompt through the engine"),
+    "lookup": Command(("bench.lookup",), "lookup and key hashing of one long prompt (scheduler and worker side)"),
     "storage": Command(("bench.storage_local", "bench.storage_remote"),
                        "serde, disk tier, then remote tier (cache server, Redis) throughput"),
     "e2e": Command(("bench.e2e",), "vLLM without/with the connector: multi-round QA and long-document QA",
@@ -65,6 +66,8 @@ COMMANDS = {
     "compare": Command(("bench.compare",), "the same engine workload on lmcache_triton and on LMCache",
                        own_plot=True),
     "ttft": Command(("bench.ttft",), "vLLM time to first token, cold vs warm"),
+    "prefix-cache": Command(("bench.prefix_cache",), "vLLM's own prefix cache without/with the connector as the "
+                            "working set outgrows vLLM's KV pool (vllm bench serve)", own_plot=True),
 }
 
 

@@ -121,21 +121,39 @@ def test_async_client_polls_and_caches_per_lookup_id(closing):
     engine = _engine(closing, [PROMPT])
     _server(closing, LMCacheAsyncLookupServer, engine, eid)
     client = _client(closing, eid, asynchronous=True)
-    assert client.lookup(PROMPT.tolist(), "req") is None, "the first call only sends the question"
+    # The first call sends the question and returns at once: None, or the answer if it is in already
+    # (the server wakes to reply as soon as a lookup is done).
+    hit = client.lookup(PROMPT.tolist(), "req")
     deadline = time.monotonic() + TIMEOUT_MS / 1000
-    while (hit := client.lookup(PROMPT.tolist(), "req")) is None and time.monotonic() < deadline:
+    while hit is None and time.monotonic() < deadline:
         time.sleep(0.005)
+        hit = client.lookup(PROMPT.tolist(), "req")
     assert hit == 3 * CHUNK
     engine.release_reservation("req")
     # the cached answer is served without asking again: it stays even though the engine changed
     engine.storage_manager.clear()
     assert client.lookup(PROMPT.tolist(), "req") == 3 * CHUNK
     client.clear_lookup_status("req")
-    assert client.lookup(PROMPT.tolist(), "req") is None
+    hit = client.lookup(PROMPT.tolist(), "req")
     deadline = time.monotonic() + TIMEOUT_MS / 1000
-    while (hit := client.lookup(PROMPT.tolist(), "req")) is None and time.monotonic() < deadline:
+    while hit is None and time.monotonic() < deadline:
         time.sleep(0.005)
+        hit = client.lookup(PROMPT.tolist(), "req")
     assert hit == 0, "asked again after clear_lookup_status"
+
+
+def test_async_server_replies_without_waiting_for_a_poll(closing):
+    """A finished lookup wakes the server's thread: the round trip is not a multiple of its poll."""
+    eid = _engine_id()
+    _server(closing, LMCacheAsyncLookupServer, _engine(closing, [PROMPT]), eid)
+    client = _client(closing, eid)
+    assert client.lookup(PROMPT.tolist(), "warm") == 3 * CHUNK
+    times = []
+    for i in range(20):
+        t0 = time.perf_counter()
+        assert client.lookup(PROMPT.tolist(), f"r{i}") == 3 * CHUNK
+        times.append(time.perf_counter() - t0)
+    assert sorted(times)[10] < 0.05, "a reply waited for the serving thread's poll timeout"
 
 
 def test_sync_client_caches_per_lookup_id(closing):
@@ -189,3 +207,71 @@ def test_lookups_the_scheduler_gave_up_on_are_not_run(closing):
     assert second.lookup(PROMPT.tolist(), "queued") == 0   # queued behind it past its own deadline
     time.sleep(1.0)
     assert engine.calls == ["slow"] and server.skipped_expired == 1
+
+
+# ---- chunk hashes instead of token ids (protocol v3, issue #14) -------------------------------------
+from lmcache_triton.keys import ChunkHashes, TokenChain  # noqa: E402
+
+
+def _hashes(tokens) -> ChunkHashes:
+    return TokenChain(CHUNK).chunk_hashes(list(tokens))
+
+
+def test_protocol_round_trip_with_hashes_and_with_tokens():
+    prompt = list(range(100, 100 + 3 * CHUNK + 5))
+    hashes = _hashes(prompt)
+    frames = protocol.encode_request(7, "req", prompt, "salt", "lora:a:1", None, deadline=123.5, chunk_hashes=hashes)
+    assert len(frames[1]) == 16 * 4, "16 bytes per span (3 chunks and the partial tail), no token ids"
+    req = protocol.decode_request(frames)
+    assert (req.seq, req.lookup_id, req.namespace, req.adapter, req.deadline) == (7, "req", "salt", "lora:a:1", 123.5)
+    assert req.chunk_hashes == hashes and req.tokens is None
+    assert req.lookup_args() == (len(prompt), dict(namespace="salt", adapter="lora:a:1", chunk_hashes=hashes))
+    spans = [(3, 2, "img")]
+    req = protocol.decode_request(protocol.encode_request(8, "ids", prompt, "", "", spans))
+    assert req.tokens == prompt and req.mm_spans == spans and req.chunk_hashes is None
+    assert req.lookup_args() == (prompt, dict(namespace="", adapter="", mm_spans=spans))
+    bad = [frames[0], frames[1][:-1]]
+    with pytest.raises(ValueError, match="hash frame"):
+        protocol.decode_request(bad)
+    v2 = [frames[0].replace(b'"v": 3', b'"v": 2'), frames[1]]
+    with pytest.raises(ValueError, match="version"):
+        protocol.decode_request(v2)
+    with pytest.raises(ValueError, match="every span"):
+        protocol.encode_request(9, "x", prompt, "", chunk_hashes=hashes.since(CHUNK))
+
+
+def test_lookup_by_hashes_hits_isolates_namespaces_and_takes_the_tp_minimum(closing):
+    eid = _engine_id()
+    rank0 = _engine(closing, [PROMPT], namespace="salt")
+    rank1 = _engine(closing, [PROMPT[: 2 * CHUNK]], namespace="salt")
+    _server(closing, LMCacheLookupServer, rank0, eid, rank=0)
+    _server(closing, LMCacheLookupServer, rank1, eid, rank=1)
+    query = PROMPT.tolist() + [7] * 5
+    one, two = _client(closing, eid), _client(closing, eid, world_size=2)
+    assert one.lookup(query, "a", namespace="salt", chunk_hashes=_hashes(query)) == 3 * CHUNK
+    assert rank0.storage_manager.cpu.num_held == 3, "the reported chunks are held for the load"
+    assert one.lookup(query, "b", chunk_hashes=_hashes(query)) == 0, "another namespace never matches"
+    assert one.lookup(query, "c", namespace="salt", adapter="lora:x:1", chunk_hashes=_hashes(query)) == 0
+    assert two.lookup(query, "tp", namespace="salt", chunk_hashes=_hashes(query)) == 2 * CHUNK
+    changed = [999] + query[1:]
+    assert one.lookup(changed, "d", namespace="salt", chunk_hashes=_hashes(changed)) == 0
+
+
+def test_keys_from_hashes_are_the_keys_from_tokens(closing):
+    """A store by token ids is found by a lookup by hashes and the other way round, with the
+    same storage keys: the plain API and the scheduler's hashes name chunks alike."""
+    by_ids = _engine(closing, [PROMPT], namespace="salt")
+    by_hashes = _engine(closing, namespace="salt")
+    caches = make_kv_caches("vllm_cpu", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=HEADS,
+                            head_size=HEAD)
+    slots = random_slot_mapping(len(PROMPT), num_blocks=BLOCKS, block_size=BLOCK)
+    hashes = _hashes(PROMPT)
+    stored = by_hashes.store(len(PROMPT), kvcaches=caches, slot_mapping=slots[CHUNK:], offset=CHUNK,
+                             namespace="salt", chunk_hashes=hashes.since(CHUNK))
+    assert stored == 2 * CHUNK, "from chunk 1 on: the chunks before the hashes are skipped"
+    assert by_hashes.store(PROMPT, kvcaches=caches, slot_mapping=slots, namespace="salt") == CHUNK
+    assert set(by_ids.storage_manager.cpu.keys()) == set(by_hashes.storage_manager.cpu.keys())
+    assert by_ids.lookup(len(PROMPT), namespace="salt", chunk_hashes=hashes) == len(PROMPT)
+    assert by_ids.lookup(len(PROMPT), chunk_hashes=hashes) == 0
+    with pytest.raises(ValueError, match="from the first chunk"):
+        by_ids.lookup(len(PROMPT), namespace="salt", chunk_hashes=hashes.since(CHUNK))

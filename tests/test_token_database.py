@@ -139,3 +139,130 @@ def test_salt_never_appears_in_a_key():
     other_secret = ChunkedTokenDatabase(4, _db().metadata, namespace_secret="deployment-secret")
     keyed = next(iter(other_secret.process_tokens(torch.arange(4), scope=KeyScope(namespace=salt))))[2]
     assert keyed.namespace != key.namespace, "the digest is keyed by namespace_secret when set"
+
+
+# ---- precomputed chain hashes (issue #14) ----------------------------------------------------------
+from lmcache_triton import keys as keys_module  # noqa: E402
+from lmcache_triton.keys import ChunkHashes, TokenChain, scope_seed, scoped_hash  # noqa: E402
+
+_SCOPES = {
+    "plain": {},
+    "namespace": dict(namespace="tenant-a"),
+    "adapter": dict(adapter="lora:a:1234"),
+    "mm": dict(mm_spans=[(5, 6, "img-a"), (13, 2, "img-b")]),
+    "extra": dict(extra_hashes=[b"", b"x", b"", b"yy"]),
+    "everything": dict(namespace="tenant-b", adapter="lora:b:1", mm_spans=[(2, 9, "img")],
+                       extra_hashes=[b"e0", b"", b"e2"]),
+}
+
+
+def _keys(db, tokens, mask=None, **scope):
+    return [(s, e, k) for s, e, k in db.process_tokens(tokens, mask, KeyScope(**scope))]
+
+
+@pytest.mark.parametrize("scope", list(_SCOPES.values()), ids=list(_SCOPES))
+@pytest.mark.parametrize("unfull", [False, True], ids=["whole-chunks", "partial-tail"])
+def test_keys_from_precomputed_hashes_equal_keys_from_tokens(scope, unfull):
+    db = _db(save_unfull_chunk=unfull)
+    tokens = list(range(500, 518))  # chunks [0,4) [4,8) [8,12) [12,16) [16,18)
+    expected = _keys(db, tokens, **scope)
+    assert len(expected) == (5 if unfull else 4)
+    chain = TokenChain(4, scope.get("mm_spans"), scope.get("extra_hashes"))
+    hashes = chain.chunk_hashes(tokens)
+    assert _keys(db, len(tokens), **scope, chunk_hashes=hashes) == expected, "from the count and the hashes"
+    assert _keys(db, tokens, **scope, chunk_hashes=hashes) == expected, "from the ids and the hashes"
+    assert _keys(db, torch.tensor(tokens), **scope, chunk_hashes=list(hashes.hashes)) == expected
+    # a window: the hashes from chunk 2 on, the count; the chunks before are skipped as by a mask
+    mask = torch.tensor([False] * 8 + [True] * 10)
+    assert _keys(db, len(tokens), **scope, chunk_hashes=hashes.since(8)) == expected[2:]
+    assert _keys(db, tokens, mask, **scope) == expected[2:]
+
+
+def test_key_hash_is_the_scope_folded_into_the_token_chain():
+    db = _db()
+    tokens = list(range(8))
+    chain = TokenChain(4).chunk_hashes(tokens)
+    ns_hex, identity = db.key_scope("tenant-a", "lora:a:1")
+    keys = _keys(db, tokens, namespace="tenant-a", adapter="lora:a:1")
+    assert [k.chunk_hash for *_, k in keys] == [scoped_hash(scope_seed(ns_hex, identity), h).hex() for h in chain.hashes]
+    assert all(k.to_string().startswith("lmct3@") for *_, k in keys), "the key scheme was bumped"
+    old = keys[0][2].to_string().replace("lmct3@", "lmct2@", 1)
+    with pytest.raises(ValueError, match="not a lmcache_triton key"):
+        CacheEngineKey.from_string(old)
+
+
+def test_one_chain_many_scopes_keys_never_meet():
+    """The chain is scope-free; every scope still gets its own chunk hashes (not only its own key fields)."""
+    tokens = list(range(12))
+    hashes = TokenChain(4).chunk_hashes(tokens)
+    variants = [
+        _keys(_db(), 12, chunk_hashes=hashes),
+        _keys(_db(), 12, chunk_hashes=hashes, namespace="alice"),
+        _keys(_db(), 12, chunk_hashes=hashes, namespace="bob"),
+        _keys(_db(), 12, chunk_hashes=hashes, adapter="lora:x:1"),
+        _keys(_db(kv_identity="blocks='vllm_cpu-amx'"), 12, chunk_hashes=hashes),
+        _keys(ChunkedTokenDatabase(4, _db().metadata, namespace_secret="s"), 12, chunk_hashes=hashes, namespace="alice"),
+    ]
+    chunk_hashes = [k.chunk_hash for keys in variants for *_, k in keys]
+    assert len(set(chunk_hashes)) == len(chunk_hashes) == 6 * 3
+
+
+def test_incremental_chain_hashes_each_chunk_once(monkeypatch):
+    prompt = list(range(1000, 1000 + 4 * 25 + 3))  # 25 whole chunks and a partial one
+    reference = TokenChain(4).chunk_hashes(prompt)
+    calls = []
+    real = keys_module.chain_hash
+    monkeypatch.setattr(keys_module, "chain_hash", lambda *a: calls.append(1) or real(*a))
+    chain = TokenChain(4)
+    tokens: list[int] = []
+    for end in range(7, len(prompt) + 7, 7):  # a chunked prefill, 7 tokens a step
+        end = min(end, len(prompt))
+        start = len(tokens) // 4 * 4
+        tokens.extend(prompt[len(tokens):end])
+        got = chain.chunk_hashes(tokens, end // 4 * 4, start)  # what each step's ReqMeta carries
+        assert got.first == start // 4 and got.num_tokens == end // 4 * 4
+    assert len(calls) == 25, "each whole chunk hashed once over the whole prefill"
+    assert chain.chunk_hashes(prompt, start=96).hashes == reference.hashes[24:]
+    assert len(calls) == 26, "the partial tail is hashed when asked for, the chain not again"
+    assert tuple(chain.hashes) == reference.hashes[:25]
+
+
+def test_a_span_the_hashes_do_not_name_is_hashed_from_the_ids_or_left_out():
+    db = _db(save_unfull_chunk=True)
+    tokens = list(range(18))
+    hashes = TokenChain(4).chunk_hashes(tokens)       # spans of 18 tokens: the last is [16, 18)
+    expected = _keys(db, tokens[:14])                 # spans of 14 tokens: the last is [12, 14)
+    assert _keys(db, tokens[:14], chunk_hashes=hashes) == expected, "the partial [12, 14) hashed from its ids"
+    assert _keys(db, 14, chunk_hashes=hashes) == expected[:3], "without ids it cannot be keyed: left out"
+    with pytest.raises(ValueError, match="need KeyScope.chunk_hashes"):
+        _keys(db, 14)
+    with pytest.raises(ValueError, match="chunk_size"):
+        _keys(db, 16, chunk_hashes=TokenChain(8).chunk_hashes(tokens[:16]))
+    with pytest.raises(ValueError, match="exceed"):
+        ChunkHashes(0, hashes.hashes, 8, 4)
+
+
+def test_segment_keys_fold_the_scope_and_refuse_chunk_hashes():
+    from lmcache_triton.engine.token_database import SegmentTokenDatabase
+
+    seg = SegmentTokenDatabase(_db().metadata, [0], min_tokens=2)
+    tokens = [5, 6, 7, 0, 8, 9]
+    plain, salted = _keys(seg, tokens), _keys(seg, tokens, namespace="salt")
+    assert [k.chunk_hash for *_, k in plain] != [k.chunk_hash for *_, k in salted]
+    with pytest.raises(ValueError, match="segment keys"):
+        _keys(seg, tokens, chunk_hashes=TokenChain(4).chunk_hashes(tokens))
+    with pytest.raises(ValueError, match="segment keys"):
+        _keys(seg, 6)
+
+
+def test_the_key_cache_is_bounded_and_never_changes_a_key():
+    db = _db()
+    db.KEY_CACHE_SIZE = 5
+    tokens = list(range(40))  # 10 chunks
+    hashes = TokenChain(4).chunk_hashes(tokens)
+    first = _keys(db, 40, chunk_hashes=hashes, namespace="a")
+    assert db._key_cache_len <= 5, "emptied when full"
+    again = _keys(db, 40, chunk_hashes=hashes, namespace="a")
+    other = _keys(db, 40, chunk_hashes=hashes, namespace="b")
+    fresh = _keys(_db(), tokens, namespace="a")
+    assert first == again == fresh and all(x[2] != y[2] for x, y in zip(first, other))

@@ -22,8 +22,8 @@ import torch
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, KVTarget
 from lmcache_triton.engine.reservations import LookupReservations
-from lmcache_triton.engine.token_database import ChunkedTokenDatabase, TokenDatabase
-from lmcache_triton.keys import CacheEngineKey, KeyScope, MMSpan
+from lmcache_triton.engine.token_database import ChunkedTokenDatabase, TokenDatabase, num_tokens
+from lmcache_triton.keys import CacheEngineKey, ChunkHashes, KeyScope, MMSpan
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability.stats import EngineSnapshot, LMCStatsMonitor
 from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lmcache_triton")
 
 Tokens = torch.Tensor | Sequence[int]
+# Token ids from position 0, or (prefix mode, with `chunk_hashes`) only how many there are.
+TokensOrCount = Tokens | int
 # Re-rotates a stored object's K (`[T, hidden]`, computed at positions start..) to positions 0..
 KeyRotation = Callable[[torch.Tensor, int], None]
 
@@ -46,6 +48,7 @@ class KeyScopeArgs(TypedDict, total=False):
     adapter: str
     mm_spans: Sequence[MMSpan] | None
     extra_hashes: Sequence[bytes] | None
+    chunk_hashes: ChunkHashes | Sequence[bytes] | None
 
 
 def _drain(gen: Generator) -> object:
@@ -108,6 +111,11 @@ class LMCacheEngine:
     LoRA adapter), `mm_spans` (multimodal placeholder spans and hashes) and `extra_hashes`.
     Loads and saves take vLLM's paged cache as `kvcaches`, `slot_mapping` (slot of token
     `offset + i` at index i) and `offset`.
+
+    In prefix mode `chunk_hashes` (the token chain, precomputed by `keys.TokenChain` over the same
+    tokens and multimodal spans: what vLLM's scheduler sends) spares hashing the tokens again;
+    then `tokens` may be their count alone, and the chunks before the hashes are skipped as by a
+    mask. The keys are the same as from the token ids.
     """
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata,
@@ -153,7 +161,7 @@ class LMCacheEngine:
         return self.gpu_connector.steps > 1
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _chunks(self, tokens: Tokens, mask: torch.Tensor | None, scope: KeyScope):
+    def _chunks(self, tokens: TokensOrCount, mask: torch.Tensor | None, scope: KeyScope):
         return self.token_database.process_tokens(tokens, mask, scope)
 
     def _object_keys(self, key: CacheEngineKey) -> list[CacheEngineKey]:
@@ -175,7 +183,7 @@ class LMCacheEngine:
         return obj
 
     # ---- the store loop ------------------------------------------------------------------------
-    def _store_steps(self, tokens: Tokens, mask: torch.Tensor | None, target: KVTarget,
+    def _store_steps(self, tokens: TokensOrCount, mask: torch.Tensor | None, target: KVTarget,
                      scope: KeyScope) -> Generator[None, None, int]:
         """Saves every chunk of `tokens` not yet stored, one connector step per `next()`; returns
         the tokens stored. Whether a chunk is stored is asked of memory only (the CPU tier, the
@@ -233,14 +241,14 @@ class LMCacheEngine:
         return stored
 
     @torch.inference_mode()
-    def store(self, tokens: Tokens, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
+    def store(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
               slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> int:
         """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now.
         `mask` (False...False True...True) skips a chunk-aligned prefix vLLM already saved."""
         return _drain(self._store_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
                                         KeyScope(**scope)))
 
-    def store_layer(self, tokens: Tokens, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
+    def store_layer(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
                     slot_mapping: torch.Tensor, offset: int = 0,
                     **scope: Unpack[KeyScopeArgs]) -> Generator[None, None, int]:
         """`store` as a generator for the layerwise connectors: each `next()` saves one layer of
@@ -252,14 +260,14 @@ class LMCacheEngine:
             yield from self._store_steps(tokens, mask, target, KeyScope(**scope))
 
     # ---- the retrieve loop ---------------------------------------------------------------------
-    def _retrieve_steps(self, tokens: Tokens, mask: torch.Tensor | None, target: KVTarget,
+    def _retrieve_steps(self, tokens: TokensOrCount, mask: torch.Tensor | None, target: KVTarget,
                         scope: KeyScope) -> Generator[torch.Tensor | None, None, None]:
         """Loads the stored chunks of `tokens` (the longest prefix in prefix mode), one connector
         step per `next()` (yielding None), then yields the bool mask of loaded tokens."""
         t0 = time.perf_counter()
         steps = self.gpu_connector.steps
-        ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
-        requested = len(tokens) - (0 if mask is None else int((~mask.bool()).sum()))
+        ret_mask = torch.zeros(num_tokens(tokens), dtype=torch.bool)
+        requested = len(ret_mask) - self.token_database.num_skipped(tokens, mask, scope)
         starts: list[int] = []
         ends: list[int] = []
         held: list[tuple[list[CacheEngineKey], list[MemoryObj]]] = []
@@ -298,7 +306,7 @@ class LMCacheEngine:
         yield ret_mask
 
     @torch.inference_mode()
-    def retrieve(self, tokens: Tokens, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
+    def retrieve(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
                  slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> torch.Tensor:
         """Loads the longest stored prefix into the paged cache; returns a bool mask of loaded tokens."""
         out = None
@@ -307,7 +315,7 @@ class LMCacheEngine:
             pass
         return out
 
-    def retrieve_layer(self, tokens: Tokens, mask: torch.Tensor | None = None, *,
+    def retrieve_layer(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *,
                        kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, offset: int = 0,
                        write_paged: bool = True,
                        **scope: Unpack[KeyScopeArgs]) -> Generator[torch.Tensor | None, None, None]:
@@ -322,42 +330,78 @@ class LMCacheEngine:
             yield from self._retrieve_steps(tokens, mask, target, KeyScope(**scope))
 
     # ---- lookup --------------------------------------------------------------------------------
-    def lookup(self, tokens: Tokens, reserve: bool = False, *, lookup_id: str | None = None,
+    def lookup(self, tokens: TokensOrCount, reserve: bool = False, *, lookup_id: str | None = None,
                **scope: Unpack[KeyScopeArgs]) -> int:
         """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
         partial chunk); in segment mode, the tokens of the stored segments. With `reserve`, the
         chunks it reports stay held in the CPU tier until `release_reservation(lookup_id)`, or at
         most `reservation_lease_secs`, so the load that follows finds them. Missed tokens are
-        counted by why they missed."""
+        counted by why they missed. With `chunk_hashes` (from chunk 0) `tokens` may be their count."""
         t0 = time.perf_counter()
-        hit = 0
+        key_scope = KeyScope(**scope)
+        if self.token_database.num_skipped(tokens, None, key_scope):
+            raise ValueError("a lookup needs the chunk hashes from the first chunk on")
         lease = self.reservations.begin(lookup_id or "") if reserve else None
         misses: Counter[str] = Counter()
-        spans = self.token_database.spans(tokens)
-        covered = spans[-1][1] if spans and self.prefix_chain else sum(e - s for s, e in spans)
+        covered = self.token_database.cached_tokens(tokens)
         try:
-            for start, end, key in self._chunks(tokens, None, KeyScope(**scope)):
-                keys = self._object_keys(key)
-                held: list | None = [] if lease is not None else None
-                n = self.storage_manager.batched_contains(keys, held=held)
-                if lease is not None and not self.reservations.add(lease, held):
-                    lease = None  # released (timed out, aborted) while we looked: stop holding
-                if n < len(keys):
-                    reason = self.storage_manager.miss_reason(keys[n])
-                    if self.prefix_chain:
-                        misses[reason] += covered - start  # the rest is unusable behind it
-                        break
-                    misses[reason] += end - start
-                    continue
-                hit = end if self.prefix_chain else hit + (end - start)
+            if self.prefix_chain:
+                hit, lease = self._lookup_prefix(tokens, key_scope, lease, misses, covered)
+            else:
+                hit, lease = self._lookup_segments(tokens, key_scope, lease, misses)
         finally:
             if lease is not None:
                 self.reservations.end(lease)
         # prefix: the tail of a partial chunk (save_unfull_chunk off) is never stored;
         # segments: separators and segments too short to cache
-        misses[MISS_PARTIAL if self.prefix_chain else MISS_BLEND] += len(tokens) - covered
-        self.stats_monitor.on_lookup(len(tokens), hit, time.perf_counter() - t0, misses)
+        n = num_tokens(tokens)
+        misses[MISS_PARTIAL if self.prefix_chain else MISS_BLEND] += n - covered
+        self.stats_monitor.on_lookup(n, hit, time.perf_counter() - t0, misses)
         return hit
+
+    # Keys asked of the tiers at once by a prefix lookup: holds are recorded in the lease after
+    # each batch (a release during a slow lower tier then frees them), and a 128K-token prompt
+    # (512 chunks) takes a few calls, not one per chunk.
+    _LOOKUP_BATCH = 64
+
+    def _lookup_prefix(self, tokens: TokensOrCount, scope: KeyScope, lease, misses: Counter[str],
+                       covered: int) -> tuple[int, object]:
+        chunks = list(self._chunks(tokens, None, scope))
+        if not chunks:
+            return 0, lease
+        steps = self.gpu_connector.steps  # objects per chunk: 1, or one per layer
+        keys = [key for _, _, key in chunks] if steps == 1 else \
+            [k for _, _, key in chunks for k in self._object_keys(key)]
+        found = 0
+        for b in range(0, len(keys), self._LOOKUP_BATCH):
+            batch = keys[b:b + self._LOOKUP_BATCH]
+            held: list | None = [] if lease is not None else None
+            n = self.storage_manager.batched_contains(batch, held=held)
+            if lease is not None and not self.reservations.add(lease, held):
+                lease = None  # released (timed out, aborted) while we looked: stop holding
+            found += n
+            if n < len(batch):
+                break
+        whole = found // steps
+        if whole < len(chunks):  # the rest is unusable behind the first missing chunk
+            misses[self.storage_manager.miss_reason(keys[found])] += covered - chunks[whole][0]
+        elif chunks[-1][1] < covered:  # spans the precomputed hashes do not name: not asked
+            misses[MISS_PARTIAL] += covered - chunks[-1][1]
+        return (chunks[whole - 1][1] if whole else 0), lease
+
+    def _lookup_segments(self, tokens: Tokens, scope: KeyScope, lease, misses: Counter[str]) -> tuple[int, object]:
+        hit = 0
+        for start, end, key in self._chunks(tokens, None, scope):
+            keys = self._object_keys(key)
+            held: list | None = [] if lease is not None else None
+            n = self.storage_manager.batched_contains(keys, held=held)
+            if lease is not None and not self.reservations.add(lease, held):
+                lease = None
+            if n < len(keys):
+                misses[self.storage_manager.miss_reason(keys[n])] += end - start
+                continue
+            hit += end - start
+        return hit, lease
 
     def release_reservation(self, lookup_id: str | None = None) -> None:
         """Releases the holds a `lookup(reserve=True, lookup_id=...)` took, takes meanwhile, or will take."""
@@ -365,7 +409,7 @@ class LMCacheEngine:
 
     # ---- verified hits -------------------------------------------------------------------------
     @torch.inference_mode()
-    def verify(self, tokens: Tokens, *, kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+    def verify(self, tokens: TokensOrCount, *, kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> tuple[int, int]:
         """Compares each stored chunk of `tokens` held in the CPU tier with the KV vLLM has just
         computed for those tokens (gathered from the paged cache as a store would); returns

@@ -3,7 +3,9 @@
 Two databases behind one protocol, chosen once when the engine is built:
 
 - `ChunkedTokenDatabase` (prefix reuse, LMCache's default): `chunk_size` chunks keyed by a prefix
-  hash chain, so chunk i is reused only behind the same chunks 0..i-1; a miss ends a load.
+  hash chain, so chunk i is reused only behind the same chunks 0..i-1; a miss ends a load. The
+  chain may come precomputed (`KeyScope.chunk_hashes`, from vLLM's scheduler): then the tokens
+  may be given as their count alone, and nothing is hashed but the scope into each key.
 - `SegmentTokenDatabase` (CacheBlend): the prompt is split at a separator and each segment is keyed
   on its own tokens, so a document is a hit wherever it appears; a miss skips one segment.
 
@@ -11,8 +13,9 @@ Segment rules (what a user caching documents relies on):
 - The separator is a token sequence: `blend_special_str` (" # # ") tokenized *without* special
   tokens (LMCache drops the first id, assuming a BOS; that breaks for tokenizers that add none),
   or the ids given directly. Separator tokens belong to no segment and are never cached.
-- A segment's hash is blake2b over b"segment" + the key scope's seed + its token ids; the tag
-  keeps a segment key from ever equalling a chunk key of the same tokens.
+- A segment's hash is blake2b over b"segment" + its token ids (the tag keeps a segment key from
+  ever equalling a chunk key of the same tokens), with the key scope folded in as for chunks
+  (`keys.scoped_hash`).
 - Segments shorter than `min_tokens` (config `blend_min_tokens`) are not cached: reusing a few
   tokens saves less than a lookup, a load and a re-rotation cost.
 - The KV stored under a segment key is the segment's KV *as if it started at position 0*; the
@@ -22,25 +25,29 @@ Segment rules (what a user caching documents relies on):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from lmcache_triton.keys import (
     CacheEngineKey,
+    ChunkHashes,
     KeyScope,
-    chain_hash,
-    chain_seed,
+    TokenChain,
+    chunk_extra,
     identity_digest,
+    key_factory,
     make_key,
     namespace_digest,
-    spans_hash,
 )
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.memory import MemoryFormat
 
 Tokens = torch.Tensor | Sequence[int]
+# The tokens of an engine call: their ids from position 0, or (prefix chunks with
+# `KeyScope.chunk_hashes`) only their count.
+TokensOrCount = Tokens | int
 Span = tuple[int, int]
 
 _HASH_BYTES = 16
@@ -54,17 +61,31 @@ class TokenDatabase(Protocol):
     prefix_chain: bool
     fmt: str  # the MemoryFormat of the stored objects, part of every key
 
-    def spans(self, tokens: Tokens) -> list[Span]:
+    def spans(self, tokens: TokensOrCount) -> list[Span]:
         """[start, end) of every span of `tokens` that is cached (stored, looked up, loaded)."""
         ...
 
-    def process_tokens(self, tokens: Tokens, mask: torch.Tensor | None = None,
+    def cached_tokens(self, tokens: TokensOrCount) -> int:
+        """How many tokens lie in the spans that are cached (prefix: where the last one ends)."""
+        ...
+
+    def num_skipped(self, tokens: TokensOrCount, mask: torch.Tensor | None = None,
+                    scope: KeyScope = KeyScope()) -> int:
+        """Leading tokens a call skips: those `mask` skips (vLLM holds them), and with tokens given
+        as a count, those before the precomputed hashes."""
+        ...
+
+    def process_tokens(self, tokens: TokensOrCount, mask: torch.Tensor | None = None,
                        scope: KeyScope = KeyScope()) -> Iterator[tuple[int, int, CacheEngineKey]]:
-        """(start, end, key) of every cached span not skipped by `mask`, in token order."""
+        """(start, end, key) of every cached span not skipped, in token order."""
         ...
 
 
 # ---- helpers shared by both databases -------------------------------------------------------------
+def num_tokens(tokens: TokensOrCount) -> int:
+    return tokens if isinstance(tokens, int) else len(tokens)
+
+
 def as_token_tensor(tokens: Tokens) -> torch.Tensor:
     """1-D int64 CPU tensor of the token ids (the bytes every hash is taken over)."""
     if isinstance(tokens, torch.Tensor):
@@ -89,8 +110,7 @@ def skipped_prefix(mask: torch.Tensor | None, num_tokens: int) -> int:
 
 def _extra(scope: KeyScope, i: int, start: int, end: int) -> bytes:
     """Bytes folded into span i's hash: the caller's extra hash and the overlapping multimodal inputs."""
-    extra = scope.extra_hashes[i] if scope.extra_hashes is not None and i < len(scope.extra_hashes) else b""
-    return extra + spans_hash(scope.mm_spans, start, end)
+    return chunk_extra(i, start, end, scope.mm_spans, scope.extra_hashes)
 
 
 def _default_fmt(metadata: LMCacheEngineMetadata, fmt: MemoryFormat | str | None, plain: MemoryFormat) -> str:
@@ -107,12 +127,40 @@ class _KeyedDatabase:
     namespace_secret: str | None
 
     def make_key(self, span_hash: bytes, namespace_hex: str = "", identity: str = "") -> CacheEngineKey:
+        """The key of a span whose hash already folds in its scope."""
         return make_key(self.metadata, self.fmt, span_hash, namespace_hex, identity)
 
     def key_scope(self, namespace: str, adapter: str) -> tuple[str, str]:
         """(namespace digest, identity) of the keys of a request."""
         return (namespace_digest(namespace, self.namespace_secret),
                 identity_digest(self.metadata.kv_identity, adapter))
+
+    # Keys made lately, per scope and span hash: the same chunks are keyed again and again (a
+    # prompt's lookup, then its load; a system prompt in every request), and a cached key costs a
+    # dict read where making one costs a hash and a tuple. Bounded: emptied when it holds this many.
+    KEY_CACHE_SIZE = 1 << 16
+    _key_cache: dict[tuple[str, str], dict[bytes, CacheEngineKey]] | None = None
+    _key_cache_len = 0
+
+    def scoped_keys(self, scope: KeyScope) -> Callable[[bytes], CacheEngineKey]:
+        """Span hash (scope-free) -> key: the namespace digest and identity folded into the hash
+        (`keys.scoped_hash`) and named in the key."""
+        ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
+        factory = key_factory(self.metadata, self.fmt, ns_hex, identity)
+        if self._key_cache is None:
+            self._key_cache = {}
+        cached = self._key_cache.setdefault((ns_hex, identity), {})
+
+        def make(span_hash: bytes) -> CacheEngineKey:
+            key = cached.get(span_hash)
+            if key is None:
+                key = cached[span_hash] = factory(span_hash)
+                self._key_cache_len += 1
+                if self._key_cache_len > self.KEY_CACHE_SIZE:  # other threads may still fill an emptied one
+                    self._key_cache, self._key_cache_len = {}, 0
+            return key
+
+        return make
 
 
 # ---- prefix chunks ---------------------------------------------------------------------------------
@@ -131,48 +179,102 @@ class ChunkedTokenDatabase(_KeyedDatabase):
         self.fmt = _default_fmt(metadata, fmt, MemoryFormat.KV_2LTD)
         self.namespace_secret = namespace_secret
 
+    def num_chunks(self, num_tokens: int) -> int:
+        """How many chunks are kept for `num_tokens` tokens (a partial tail only if enabled)."""
+        c = self.chunk_size
+        return num_tokens // c + (1 if num_tokens % c and self.save_unfull_chunk else 0)
+
     def chunk_bounds(self, num_tokens: int) -> list[Span]:
         """[start, end) of every chunk kept for `num_tokens` tokens (a partial tail only if enabled)."""
-        bounds = [(s, min(s + self.chunk_size, num_tokens)) for s in range(0, num_tokens, self.chunk_size)]
-        if bounds and bounds[-1][1] - bounds[-1][0] < self.chunk_size and not self.save_unfull_chunk:
-            bounds.pop()
-        return bounds
+        c = self.chunk_size
+        return list(zip(range(0, num_tokens, c), [*range(c, num_tokens, c), num_tokens]))[:self.num_chunks(num_tokens)]
 
-    def spans(self, tokens: Tokens) -> list[Span]:
-        return self.chunk_bounds(len(tokens))
+    def cached_tokens(self, tokens: TokensOrCount) -> int:
+        n = num_tokens(tokens)
+        return n if self.num_chunks(n) * self.chunk_size >= n else n // self.chunk_size * self.chunk_size
 
-    def num_skipped(self, num_tokens: int, mask: torch.Tensor | None) -> int:
-        """Leading tokens the mask skips: a whole number of chunks."""
-        n_false = skipped_prefix(mask, num_tokens)
+    def spans(self, tokens: TokensOrCount) -> list[Span]:
+        return self.chunk_bounds(num_tokens(tokens))
+
+    def chunk_hashes(self, hashes: ChunkHashes | Sequence[bytes] | None, n: int) -> ChunkHashes | None:
+        """`KeyScope.chunk_hashes` as ChunkHashes (a plain sequence names the spans of the `n` tokens from 0)."""
+        if hashes is None:
+            return None
+        if not isinstance(hashes, ChunkHashes):
+            hashes = ChunkHashes(0, tuple(hashes), n, self.chunk_size)
+        if hashes.chunk_size != self.chunk_size:
+            raise ValueError(f"chunk hashes of {hashes.chunk_size}-token chunks for a database of "
+                             f"chunk_size={self.chunk_size}")
+        return hashes
+
+    def num_skipped(self, tokens: TokensOrCount, mask: torch.Tensor | None = None,
+                    scope: KeyScope = KeyScope()) -> int:
+        """Leading tokens skipped: a whole number of chunks. The mask's skipped prefix; with tokens
+        given as a count, also every chunk before the precomputed hashes (nothing keys them)."""
+        n = num_tokens(tokens)
+        n_false = skipped_prefix(mask, n)
         if n_false % self.chunk_size != 0:
             raise ValueError(
                 f"mask must skip a chunk-aligned prefix: {n_false} skipped tokens is not a multiple of "
                 f"chunk_size={self.chunk_size}"
             )
+        if isinstance(tokens, int):
+            hashes = self.chunk_hashes(scope.chunk_hashes, n)
+            if hashes is None:
+                raise ValueError("tokens given as a count need KeyScope.chunk_hashes")
+            n_false = max(n_false, min(hashes.start, n))
         return n_false
 
-    def process_tokens(self, tokens: Tokens, mask: torch.Tensor | None = None,
+    def process_tokens(self, tokens: TokensOrCount, mask: torch.Tensor | None = None,
                        scope: KeyScope = KeyScope()) -> Iterator[tuple[int, int, CacheEngineKey]]:
         """`scope.mm_spans` and `scope.extra_hashes[i]` (any bytes for chunk i) are folded into the
-        chunk hashes: the same placeholder token ids with other images must not share KV."""
-        tokens = as_token_tensor(tokens)
-        skip = self.num_skipped(len(tokens), mask)
-        ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
-        prefix = chain_seed(ns_hex, identity)
-        for i, (start, end) in enumerate(self.chunk_bounds(len(tokens))):
-            prefix = chain_hash(prefix, tokens[start:end], _extra(scope, i, start, end))
+        chunk hashes: the same placeholder token ids with other images must not share KV.
+
+        With `scope.chunk_hashes` (the same chain, precomputed: `TokenChain`), a span they name
+        is not hashed again; a span they do not name is hashed from the token ids, and with
+        tokens given as a count it cannot be keyed, so it and every span behind it are left out
+        (a miss, never a wrong key)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = as_token_tensor(tokens)  # 1-D, on the CPU
+        n = num_tokens(tokens)
+        skip = self.num_skipped(tokens, mask, scope)
+        given = self.chunk_hashes(scope.chunk_hashes, n)
+        make = self.scoped_keys(scope)
+        c = self.chunk_size
+        spans = self.num_chunks(n)
+        first = skip // c
+        if given is not None and given.first <= first:
+            # The whole chunks both `given` and these tokens have: their keys at once (a lookup of
+            # a 128K-token prompt is 512 of them), no per-span checks.
+            last = min(given.first + len(given.hashes), given.num_tokens // c, n // c, spans)
+            if last > first:
+                keys = [make(h) for h in given.hashes[first - given.first:last - given.first]]
+                yield from zip(range(first * c, last * c, c), range((first + 1) * c, (last + 1) * c, c), keys)
+                first = last
+        chain: TokenChain | None = None
+        for i in range(first, spans):
+            start, end = i * c, min((i + 1) * c, n)
             if end <= skip:
                 continue
-            yield start, end, self.make_key(prefix, ns_hex, identity)
+            h = given.get(i, start, end) if given is not None else None
+            if h is None:
+                if isinstance(tokens, int):
+                    return
+                if chain is None:
+                    chain = TokenChain(self.chunk_size, scope.mm_spans, scope.extra_hashes)
+                    if given is not None and given.first == 0:  # its whole chunks start the chain
+                        chain.hashes = list(given.hashes[:given.num_tokens // self.chunk_size])
+                h = chain.span_hash(tokens, i, end)
+            yield start, end, make(h)
 
 
 # ---- CacheBlend segments ---------------------------------------------------------------------------
-def segment_hash(tokens: torch.Tensor, seed: bytes = b"") -> bytes:
+def segment_hash(tokens: torch.Tensor) -> bytes:
+    """A segment's own hash (scope-free: the key folds the scope in, as for chunks)."""
     h = hashlib.blake2b(digest_size=_HASH_BYTES)
     h.update(_SEGMENT_TAG)
-    h.update(seed)
     h.update(b"\x00")
-    h.update(tokens.contiguous().numpy().tobytes())
+    h.update(tokens.to(torch.int64).contiguous().numpy().astype("<i8", copy=False).tobytes())
     return h.digest()
 
 
@@ -244,20 +346,29 @@ class SegmentTokenDatabase(_KeyedDatabase):
 
     spans = segment_bounds
 
-    def process_tokens(self, tokens: Tokens, mask: torch.Tensor | None = None,
+    def cached_tokens(self, tokens: TokensOrCount) -> int:
+        return sum(e - s for s, e in self.segment_bounds(tokens))
+
+    def num_skipped(self, tokens: TokensOrCount, mask: torch.Tensor | None = None,
+                    scope: KeyScope = KeyScope()) -> int:
+        return skipped_prefix(mask, num_tokens(tokens))
+
+    def process_tokens(self, tokens: TokensOrCount, mask: torch.Tensor | None = None,
                        scope: KeyScope = KeyScope()) -> Iterator[tuple[int, int, CacheEngineKey]]:
         """A segment is skipped if it ends at or before the mask's first True (vLLM holds it).
         `scope.mm_spans` are folded into the segments they overlap; `scope.extra_hashes[i]` into
-        segment i's hash (i counts cached segments)."""
+        segment i's hash (i counts cached segments). Segments are found in the token ids, so those
+        are needed (precomputed prefix-chain hashes do not apply)."""
+        if isinstance(tokens, int) or scope.chunk_hashes is not None:
+            raise ValueError("segment keys are taken over the token ids: give the ids, not chunk hashes")
         tokens = as_token_tensor(tokens)
         skip = skipped_prefix(mask, len(tokens))
-        ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
-        seed = chain_seed(ns_hex, identity)
+        make = self.scoped_keys(scope)
         for i, (start, end) in enumerate(self.segment_bounds(tokens)):
             if end <= skip:
                 continue
-            h = segment_hash(tokens[start:end], seed)
+            h = segment_hash(tokens[start:end])
             extra = _extra(scope, i, start, end)
             if extra:
                 h = hashlib.blake2b(h + extra, digest_size=_HASH_BYTES).digest()
-            yield start, end, self.make_key(h, ns_hex, identity)
+            yield start, end, make(h)

@@ -1,6 +1,7 @@
 """The connector's glue, without starting vLLM: the worker side with a stub engine, the scheduler
-side with a stub lookup client. What they must pass on (namespace, adapter, multimodal spans), and
-how one request's failure stays that request's."""
+side with a stub lookup client, and both sides together over a real engine. What they must pass on
+(namespace, adapter, multimodal spans, the token chain's hashes), and how one request's failure
+stays that request's."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from lmcache_triton.integration.vllm.specs import (  # noqa: E402
     SaveSpec,
 )
 from lmcache_triton.integration.vllm.worker import WorkerSide  # noqa: E402
+from lmcache_triton import keys as keys_module  # noqa: E402
+from lmcache_triton.keys import TokenChain  # noqa: E402
 
 BLOCK, CHUNK = 16, 32
 
@@ -48,22 +51,27 @@ class StubEngine:
         self.loaded_fraction = loaded_fraction
         self.unpinned: list[str] = []
 
+    @staticmethod
+    def _tokens(tokens):
+        return tokens if isinstance(tokens, int) else list(tokens)  # a count comes with chunk hashes
+
     def store(self, tokens, mask=None, **kw):
-        self.calls.append(("store", (list(tokens),), kw))
-        if tokens[0] in self.fail_on:
+        self.calls.append(("store", (self._tokens(tokens),), dict(kw, mask=mask)))
+        if not isinstance(tokens, int) and tokens[0] in self.fail_on:
             raise RuntimeError("store blew up")
-        return len(tokens)
+        return tokens if isinstance(tokens, int) else len(tokens)
 
     def retrieve(self, tokens, mask=None, **kw):
-        self.calls.append(("retrieve", (list(tokens),), kw))
-        if tokens[0] in self.fail_on:
+        self.calls.append(("retrieve", (self._tokens(tokens),), dict(kw, mask=mask)))
+        if not isinstance(tokens, int) and tokens[0] in self.fail_on:
             raise RuntimeError("retrieve blew up")
-        ret = torch.zeros(len(tokens), dtype=torch.bool)
-        ret[: int(len(tokens) * self.loaded_fraction)] = True
+        n = tokens if isinstance(tokens, int) else len(tokens)
+        ret = torch.zeros(n, dtype=torch.bool)
+        ret[: int(n * self.loaded_fraction)] = True
         return ret
 
     def verify(self, tokens, **kw):
-        self.calls.append(("verify", (list(tokens),), kw))
+        self.calls.append(("verify", (self._tokens(tokens),), kw))
         return 1, 0
 
     def release_reservation(self, req_id):
@@ -211,7 +219,10 @@ def test_lookup_carries_salt_adapter_and_multimodal_spans(tmp_path):
     side.get_num_new_matched_tokens(_request(cache_salt="salt", lora_request=lora, mm_features=mm), 0)
     call = side.lookup_client.calls[0]
     assert call["namespace"] == "salt" and call["adapter"].startswith("lora:a:")
-    assert call["mm_spans"] == [(5, 3, "img-hash")]
+    prompt = list(range(4 * CHUNK))
+    assert call["chunk_hashes"] == TokenChain(CHUNK, [(5, 3, "img-hash")]).chunk_hashes(prompt), \
+        "the multimodal inputs are folded into the prompt's chain"
+    assert call["chunk_hashes"] != TokenChain(CHUNK).chunk_hashes(prompt)
 
 
 def test_adapter_identity_follows_the_weights_not_just_the_name(tmp_path):
@@ -251,11 +262,12 @@ def test_aborted_async_lookup_is_released_with_the_next_step():
     assert side.build_connector_meta(out).lookup_requests_in_step == ["r"]
 
 
-def test_too_few_blocks_never_raise_in_the_scheduler():
+@pytest.mark.parametrize("chain", [True, False], ids=["chain", "token-ids"])
+def test_too_few_blocks_never_raise_in_the_scheduler(chain):
     new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(100)), block_ids=([0, 1],))
-    tracker = RequestTracker.from_new_request(new, 100, 0, skip_save=False)
+    tracker = RequestTracker.from_new_request(new, 100, 0, skip_save=False, chain=TokenChain(CHUNK) if chain else None)
     meta = ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, load_spec=LoadSpec(0, 96, True))
-    assert len(meta.slot_mapping) == len(meta.token_ids) == 96
+    assert len(meta.slot_mapping) == meta.num_tokens == 96 and len(meta.token_ids) == (0 if chain else 96)
     assert (meta.slot_mapping[:2 * BLOCK] >= 0).all() and (meta.slot_mapping[2 * BLOCK:] == -1).all()
 
 
@@ -312,3 +324,158 @@ def test_model_variant_and_block_format_are_part_of_the_identity():
     assert kv_identity(cfg(hf_config=SimpleNamespace(rope_scaling={"factor": 2.0}, rope_theta=10000.0)),
                        "vllm_cpu") != plain
     assert kv_identity(cfg(), "vllm_cpu") == plain
+
+
+# ---- the token chain: hashed once by the scheduler, scoped by the worker (issue #14) --------------
+def _cached_step(req_id: str, computed: int) -> SimpleNamespace:
+    return SimpleNamespace(req_ids=[req_id], resumed_req_ids=set(), new_block_ids=[None],
+                           num_computed_tokens=[computed])
+
+
+def _no_cached() -> SimpleNamespace:
+    return SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+
+
+def _new_req(request, blocks, computed=0) -> SimpleNamespace:
+    return SimpleNamespace(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                           block_ids=(list(blocks),), num_computed_tokens=computed,
+                           lora_request=request.lora_request, sampling_params=None)
+
+
+def _prefill(side: SchedulerSide, request, blocks, step: int, computed: int = 0) -> list[LMCacheConnectorMetadata]:
+    """vLLM's scheduler for one request: a lookup, then a chunked prefill `step` tokens a step."""
+    n = len(request.prompt_token_ids)
+    need, _ = side.get_num_new_matched_tokens(request, 0)
+    side.update_state_after_alloc(request, None, need)
+    computed = need
+    metas = []
+    first = True
+    while computed < n:
+        todo = min(step, n - computed)
+        out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={request.request_id: todo},
+                              scheduled_new_reqs=[_new_req(request, blocks, computed)] if first else [],
+                              scheduled_cached_reqs=_no_cached() if first else _cached_step(request.request_id, computed))
+        metas.append(side.build_connector_meta(out))
+        computed += todo
+        first = False
+    return metas
+
+
+def _counting(monkeypatch) -> list:
+    calls = []
+    real = keys_module.chain_hash
+    monkeypatch.setattr(keys_module, "chain_hash", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_scheduler_hashes_a_prompt_once_and_ships_only_each_steps_chunks(monkeypatch):
+    side = _scheduler(hit=0)
+    n = 10 * CHUNK + 5
+    req = _request(n=n, cache_salt="salt")
+    req.all_token_ids = req.prompt_token_ids
+    calls = _counting(monkeypatch)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert len(calls) == 11, "10 whole chunks and the partial tail, at the first lookup"
+    side.lookup_client.hit = None  # vLLM asks again while the request waits
+    side.get_num_new_matched_tokens(req, 0)
+    assert len(calls) == 11, "a repeated lookup of the request hashes nothing"
+    sent = side.lookup_client.calls
+    assert sent[0]["chunk_hashes"] is sent[1]["chunk_hashes"] and len(sent[0]["chunk_hashes"].hashes) == 11
+    side.lookup_client.hit = 0
+    metas = _prefill(side, req, range(n // BLOCK + 1), step=3 * CHUNK)
+    assert len(calls) == 11, "the tracker carries on with the lookup's chain"
+    saved = [m.requests[0] for m in metas if m.requests]
+    assert [(r.token_offset, r.num_tokens) for r in saved] == [(0, 96), (96, 192), (192, 288), (288, 320)]
+    assert all(r.token_ids == [] and len(r.chunk_hashes.hashes) == (r.num_tokens - r.token_offset) // CHUNK
+               for r in saved), "each step ships the slots and 16 bytes a chunk of its new chunks only"
+    assert all(r.namespace == "salt" for r in saved)
+
+
+def test_worker_stores_and_loads_the_steps_chunks_by_their_hashes():
+    req = ReqMeta(req_id="a", token_ids=[], slot_mapping=torch.arange(2 * CHUNK, 4 * CHUNK), token_offset=2 * CHUNK,
+                  chunk_hashes=TokenChain(CHUNK).chunk_hashes(list(range(4 * CHUNK)), start=2 * CHUNK),
+                  save_spec=SaveSpec(3 * CHUNK, True), load_spec=LoadSpec(2 * CHUNK + 3, 3 * CHUNK, True),
+                  namespace="salt", adapter="lora:x:1")
+    engine = StubEngine()
+    side = _worker(LMCacheConnectorMetadata(requests=[req]), engine)
+    side.start_load_kv(None)
+    side.wait_for_save()
+    (_, (loaded,), load_kw), (_, (stored,), store_kw) = engine.calls
+    assert (loaded, load_kw["offset"], load_kw["chunk_hashes"].first) == (3 * CHUNK, 2 * CHUNK, 2)
+    assert load_kw["mask"][:2 * CHUNK].logical_not().all() and load_kw["mask"][2 * CHUNK:].all()
+    torch.testing.assert_close(load_kw["slot_mapping"], torch.arange(2 * CHUNK, 3 * CHUNK))
+    assert (stored, store_kw["offset"], store_kw["chunk_hashes"].first) == (4 * CHUNK, 3 * CHUNK, 3)
+    torch.testing.assert_close(store_kw["slot_mapping"], torch.arange(3 * CHUNK, 4 * CHUNK))
+    for kw in (load_kw, store_kw):
+        assert (kw["namespace"], kw["adapter"], kw["mm_spans"]) == ("salt", "lora:x:1", None)
+
+
+def _real_engine(closing_list: list, layerwise: bool = False):
+    from lmcache_triton import LMCacheEngineMetadata, create_gpu_connector
+    from lmcache_triton.engine.engine import LMCacheEngine
+
+    config = _config(use_layerwise=layerwise)
+    metadata = LMCacheEngineMetadata(model_name="glue/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(2, 2, CHUNK, 2, 16))
+    engine = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
+    closing_list.append(engine)
+    return engine
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["all-layers", "layerwise"])
+def test_scheduler_and_worker_store_what_a_fresh_lookup_by_tokens_finds_and_load_it_back(tmp_path, closing,
+                                                                                        layerwise):
+    """Both sides over a real engine: a chunked prefill's saves from the scheduler's hashes land
+    under the keys a lookup by the prompt's token ids (the plain engine API) makes, in the request's
+    namespace, adapter and multimodal scope only; a second request loads them byte for byte."""
+    from lmcache_triton.kernels import paged_gather
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"w")
+    lora = SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(tmp_path))
+    mm = [SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=40, length=10))]
+    n = 5 * CHUNK + 7
+    engine = _real_engine(closing, layerwise)
+    geo = dict(num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    src = make_kv_caches("vllm_cpu", generator=torch.Generator().manual_seed(0), **geo)
+
+    def worker(meta, caches):
+        side = _worker(meta, StubEngine())
+        side.engine, side.kvcaches = engine, caches
+        side.start_load_kv(None)
+        for layer in range(len(caches) if layerwise else 0):  # vLLM's forward, layer by layer
+            side.wait_for_layer_load(f"layer.{layer}")
+            side.save_kv_layer(f"layer.{layer}", caches[layer], None)
+        side.wait_for_save()
+        return side
+
+    scheduler = _scheduler(hit=0)
+    first = _request("r1", n=n, cache_salt="salt", lora_request=lora, mm_features=mm)
+    first.all_token_ids = first.prompt_token_ids
+    for meta in _prefill(scheduler, first, range(11), step=CHUNK + CHUNK // 2):
+        worker(meta, src)
+    assert engine.get_stats().stored_tokens == 5 * CHUNK
+
+    prompt, adapter = first.prompt_token_ids, adapter_identity(first)
+    spans = [(40, 10, "img")]
+    assert engine.lookup(prompt, namespace="salt", adapter=adapter, mm_spans=spans) == 5 * CHUNK, \
+        "stored under the request's namespace, adapter and multimodal inputs"
+    assert engine.lookup(prompt, adapter=adapter, mm_spans=spans) == 0, "no namespace: another scope"
+    assert engine.lookup(prompt, namespace="other", adapter=adapter, mm_spans=spans) == 0
+    assert engine.lookup(prompt, namespace="salt", mm_spans=spans) == 0, "the base model is another scope"
+    assert engine.lookup(prompt, namespace="salt", adapter=adapter) == CHUNK, "the image is in chunk 1"
+
+    scheduler.lookup_client.hit = 5 * CHUNK
+    second = _request("r2", n=n, cache_salt="salt", lora_request=lora, mm_features=mm)
+    second.all_token_ids = second.prompt_token_ids
+    dst = make_kv_caches("vllm_cpu", fill=0, **geo)
+    blocks = range(16, 27)
+    (meta,) = _prefill(scheduler, second, blocks, step=n)
+    (req,) = meta.requests
+    assert req.load_spec.lmcache_cached_tokens == 5 * CHUNK and req.chunk_hashes is not None
+    side = worker(meta, dst)
+    assert side.get_block_ids_with_load_errors() == set()
+    assert engine.get_stats().hit_tokens == 5 * CHUNK
+    slots = lambda first_block: torch.arange(first_block * BLOCK, first_block * BLOCK + 5 * CHUNK)  # noqa: E731
+    assert torch.equal(paged_gather(dst, slots(16), "vllm_cpu"), paged_gather(src, slots(0), "vllm_cpu"))

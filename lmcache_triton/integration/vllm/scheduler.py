@@ -1,4 +1,11 @@
-"""The connector's scheduler side: lookups, load/save decisions, the per-step metadata."""
+"""The connector's scheduler side: lookups, load/save decisions, the per-step metadata.
+
+A request's token chain (`keys.TokenChain`: scope-free hashes over its token ids and multimodal
+inputs) is computed here, once: at its first lookup over the prompt (kept per request id, so the
+questions vLLM repeats while a request waits cost nothing), then extended by its tracker as
+prefill and decode go on. Lookups and the per-step metadata send 16 bytes a chunk instead of the
+token ids; the workers fold the namespace and identity into each key.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from lmcache_triton.integration.vllm.specs import (
     mm_spans,
 )
 from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
+from lmcache_triton.keys import ChunkHashes, MMSpan, TokenChain
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -83,6 +91,20 @@ class SchedulerSide:
         self.pending_lookups: set[str] = set()   # asynchronous lookups not answered yet
         self.uncacheable: set[str] = set()       # prompts given as embeddings: never loaded or saved
         self.verify_tokens: dict[str, int] = {}  # hits vLLM recomputes to check (verify_hit_rate)
+        # CacheBlend keys segments, not a prefix chain: its lookups and metadata carry token ids.
+        self.use_chains = not config.enable_blending
+        # Per request: its token chain and the hashes of its prompt's spans (what a lookup sends).
+        self.prompt_chains: dict[str, tuple[TokenChain, ChunkHashes]] = {}
+
+    def _prompt_chain(self, request: Any, spans: list[MMSpan] | None) -> tuple[TokenChain, ChunkHashes]:
+        """The request's chain and its prompt's span hashes, hashed at its first lookup only."""
+        req_id = request.request_id
+        prompt = request.prompt_token_ids or []
+        entry = self.prompt_chains.get(req_id)
+        if entry is None or entry[1].num_tokens != len(prompt):
+            chain = TokenChain(self.chunk_size, spans)
+            entry = self.prompt_chains[req_id] = (chain, chain.chunk_hashes(prompt))
+        return entry
 
     # ---- vLLM scheduler hooks ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -93,12 +115,15 @@ class SchedulerSide:
             # The tokens' KV comes from embeddings we cannot key by token ids: never served, never saved.
             self.uncacheable.add(req_id)
             return 0, False
-        tokens = list(request.prompt_token_ids or [])
-        mm_hashes, mm_positions = _mm_features(request)
+        tokens = request.prompt_token_ids or []
         try:
-            hit = self.lookup_client.lookup(
-                tokens, req_id, namespace=getattr(request, "cache_salt", None) or "",
-                adapter=adapter_identity(request), mm_spans=mm_spans(mm_hashes, mm_positions))
+            spans = mm_spans(*_mm_features(request))
+            scope = dict(namespace=getattr(request, "cache_salt", None) or "", adapter=adapter_identity(request))
+            if self.use_chains:  # 16 bytes a chunk, hashed once per request
+                hit = self.lookup_client.lookup(tokens, req_id, chunk_hashes=self._prompt_chain(request, spans)[1],
+                                                **scope)
+            else:
+                hit = self.lookup_client.lookup(list(tokens), req_id, mm_spans=spans, **scope)
         except Exception:  # the cache must never fail a request: a failed lookup is a miss
             logger.exception("lmcache_triton lookup of %s failed", req_id)
             hit = 0
@@ -150,6 +175,11 @@ class SchedulerSide:
             load_spec = self.load_specs.pop(new.req_id, None)
             request = self.unfinished.get(new.req_id)
             mm_hashes, mm_positions = _mm_features(request) if request is not None else (None, None)
+            chain = None
+            if self.use_chains:  # the chain its lookup began, else a new one
+                entry = self.prompt_chains.get(new.req_id)
+                chain = entry[0] if entry is not None else TokenChain(self.chunk_size,
+                                                                      mm_spans(mm_hashes, mm_positions))
             tracker = RequestTracker.from_new_request(
                 new, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
                 load_spec.lmcache_cached_tokens if load_spec else 0,
@@ -159,6 +189,7 @@ class SchedulerSide:
                 request_configs=_request_configs(new),
                 adapter=adapter_identity(new),
                 verify_tokens=self.verify_tokens.pop(new.req_id, 0),
+                chain=chain,
             )
             self.trackers[new.req_id] = tracker
             self._add(meta, tracker, load_spec)
@@ -187,6 +218,7 @@ class SchedulerSide:
         self.load_specs.pop(req_id, None)
         self.uncacheable.discard(req_id)
         self.verify_tokens.pop(req_id, None)
+        self.prompt_chains.pop(req_id, None)
 
     def _add(self, meta: LMCacheConnectorMetadata, tracker: RequestTracker, load_spec: LoadSpec | None) -> None:
         try:
@@ -205,6 +237,7 @@ class SchedulerSide:
         req_id = request.request_id
         self.lookup_client.clear_lookup_status(req_id)
         self.load_specs.pop(req_id, None)
+        self.prompt_chains.pop(req_id, None)
         if req_id in self.pending_lookups:
             # Aborted while its lookup ran: the workers' holds for it are released with the next
             # step's metadata (or, if no step comes, by their lease).

@@ -4,7 +4,12 @@ Names and fields follow LMCache's vLLM adapter, so its users find what they know
 - a request's KV is saved in whole chunks as its prefill advances (chunked prefill included);
   the partial tail chunk only at the last prefill step and only with `save_unfull_chunk`;
 - decode tokens are saved only with `save_decode_cache`;
-- after a preemption the request's blocks change, so the tracker restarts from what is cached.
+- after a preemption the request's blocks change, so the tracker restarts from what is cached;
+- the tracker carries the request's token chain (`keys.TokenChain`), extended as tokens arrive, so
+  each whole chunk is hashed once; a step's `ReqMeta` ships the slots and the 16-byte chunk hashes
+  of the chunks it saves, loads or verifies only, never the prefix before them (a long prompt's
+  chunked prefill is O(new tokens) a step, not O(prompt)). With CacheBlend (segments, not a
+  prefix chain) it ships the prompt's token ids instead, once, at the last prefill step.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from lmcache_triton.keys import MMSpan
+from lmcache_triton.keys import ChunkHashes, MMSpan, TokenChain
 
 
 @dataclass
@@ -77,12 +82,15 @@ class RequestTracker:
     namespace: str = ""
     adapter: str = ""            # the LoRA adapter's identity: its KV is not the base model's
     verify_tokens: int = 0       # a hit vLLM recomputes to check the stored KV (verify_hit_rate)
+    # The token chain over token_ids (and the multimodal spans), hashed as chunks complete; None:
+    # the keys are not a prefix chain (CacheBlend) and ReqMeta carries the token ids instead.
+    chain: TokenChain | None = None
 
     @classmethod
     def from_new_request(cls, new_request: Any, num_tokens_to_compute: int, lmcache_cached_tokens: int,
                          *, skip_save: bool, namespace: str = "", mm_hashes=None, mm_positions=None,
                          request_configs: dict | None = None, adapter: str = "",
-                         verify_tokens: int = 0) -> RequestTracker:
+                         verify_tokens: int = 0, chain: TokenChain | None = None) -> RequestTracker:
         prompt = list(new_request.prompt_token_ids or [])
         return cls(
             req_id=new_request.req_id,
@@ -97,6 +105,7 @@ class RequestTracker:
             namespace=namespace,
             adapter=adapter,
             verify_tokens=verify_tokens,
+            chain=chain,
         )
 
     def update(self, new_token_ids: list[int], new_block_ids: Any) -> None:
@@ -112,12 +121,28 @@ class RequestTracker:
         self.allocated_block_ids = _flatten_block_ids(new_block_ids)
         self.token_ids = list(all_token_ids[:num_tokens_to_compute])
         self.num_saved_tokens = lmcache_cached_tokens
+        if self.chain is not None:  # the ids were replaced: hash them anew (once; preemption is rare)
+            self.chain = TokenChain(self.chain.chunk_size, self.chain.mm_spans)
+
+    def chunk_hashes(self, end: int, start: int = 0) -> ChunkHashes:
+        """The chain hashes of the spans of token_ids[:end] from the chunk holding `start` on; only
+        chunks not hashed before are hashed."""
+        if self.chain is None:
+            raise ValueError(f"request {self.req_id} has no token chain")
+        return self.chain.chunk_hashes(self.token_ids, end, start)
 
 
 @dataclass
 class ReqMeta:
+    """One request's work in one step. It covers tokens [token_offset, num_tokens): the first chunk
+    it saves, loads or verifies up to the last, never the prefix before (that is what makes a long
+    prompt's chunked prefill cost O(new tokens) a step). `slot_mapping` has the slot of token
+    `token_offset + i` at index i (-1: no block). The keys come from `chunk_hashes` (the token
+    chain, scope-free; the worker folds in the namespace and identity), or with CacheBlend, from
+    `token_ids` (then token_offset is 0)."""
+
     req_id: str
-    token_ids: list[int]
+    token_ids: list[int]         # ids of tokens [token_offset, num_tokens); empty when chunk_hashes are sent
     slot_mapping: torch.Tensor
     is_last_prefill: bool = False
     save_spec: SaveSpec | None = None
@@ -127,11 +152,37 @@ class ReqMeta:
     namespace: str = ""
     adapter: str = ""
     mm_spans: list[MMSpan] | None = None
-    verify_tokens: int = 0  # compare the stored chunks of token_ids[:verify_tokens] with the computed KV
+    verify_tokens: int = 0  # compare the stored chunks of tokens [0, verify_tokens) with the computed KV
+    token_offset: int = 0
+    chunk_hashes: ChunkHashes | None = None  # of the spans of tokens [0, num_tokens), from token_offset
+
+    @property
+    def num_tokens(self) -> int:
+        """The end of the tokens this step's work covers."""
+        return self.token_offset + len(self.slot_mapping)
 
     def key_args(self) -> dict[str, Any]:
-        """What names this request's keys, for every engine call (store, retrieve, verify)."""
+        """What names this request's keys besides its tokens, for every engine call (store,
+        retrieve, verify)."""
         return dict(namespace=self.namespace, adapter=self.adapter, mm_spans=self.mm_spans)
+
+    def engine_tokens(self, start: int, end: int) -> tuple[list[int] | int, dict[str, Any]]:
+        """(tokens, key arguments) of an engine call that stores, loads or verifies tokens
+        [start, end) (`start` chunk-aligned): the count `end` and the chunk hashes from `start` on
+        (the engine skips the chunks before them), or without hashes the ids [0, end) (a mask
+        skips [0, start))."""
+        if self.chunk_hashes is not None:
+            return end, dict(self.key_args(), chunk_hashes=self.chunk_hashes.since(start))
+        if self.token_offset:
+            raise ValueError(f"request {self.req_id}: tokens from {self.token_offset} without chunk hashes")
+        return self.token_ids[:end], self.key_args()
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """The slots of tokens [start, end)."""
+        if start < self.token_offset or end > self.num_tokens:
+            raise ValueError(f"request {self.req_id}: slots of tokens [{start}, {end}) outside "
+                             f"[{self.token_offset}, {self.num_tokens})")
+        return self.slot_mapping[start - self.token_offset:end - self.token_offset]
 
     @classmethod
     def from_request_tracker(cls, tracker: RequestTracker, block_size: int, chunk_size: int, *,
@@ -166,19 +217,23 @@ class ReqMeta:
         if not skip_save:
             tracker.num_saved_tokens = max(tracker.num_saved_tokens, num_to_save)
 
-        num_meta_tokens = max(num_to_save, verify_tokens,
-                              load_spec.lmcache_cached_tokens if load_spec and load_spec.can_load else 0)
-        token_ids = tracker.token_ids[:num_meta_tokens]
-        blocks = torch.tensor(tracker.allocated_block_ids, dtype=torch.long)
-        slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)[:len(token_ids)]
-        if len(slots) < len(token_ids):
-            # Never raise in vLLM's scheduler: tokens without a block get slot -1 (padding, which
-            # no kernel touches); the worker loads and saves only tokens that have a slot.
-            slots = torch.cat([slots, slots.new_full((len(token_ids) - len(slots),), -1)])
+        loading = load_spec is not None and load_spec.can_load
+        end = min(max(num_to_save, verify_tokens, load_spec.lmcache_cached_tokens if loading else 0),
+                  num_tokens)
+        use_chain = tracker.chain is not None and not whole_prompt_only
+        if use_chain:  # from the first chunk this step saves, loads or verifies
+            starts = [save_spec.skip_leading_tokens] if save_spec.can_save else []
+            if loading:
+                starts.append(load_spec.vllm_cached_tokens)
+            if verify_tokens:
+                starts.append(0)
+            start = min(min(starts, default=end), end) // chunk_size * chunk_size
+        else:
+            start = 0
         return cls(
             req_id=tracker.req_id,
-            token_ids=token_ids,
-            slot_mapping=slots,
+            token_ids=[] if use_chain else tracker.token_ids[:end],
+            slot_mapping=_slots(tracker.allocated_block_ids, block_size, start, end),
             is_last_prefill=is_last_prefill,
             save_spec=save_spec,
             load_spec=load_spec,
@@ -188,7 +243,22 @@ class ReqMeta:
             adapter=tracker.adapter,
             mm_spans=mm_spans(tracker.mm_hashes, tracker.mm_positions),
             verify_tokens=verify_tokens,
+            token_offset=start,
+            chunk_hashes=tracker.chunk_hashes(end, start) if use_chain else None,
         )
+
+
+def _slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """The slots of tokens [start, end) in the request's blocks. Never raises in vLLM's scheduler:
+    tokens without a block get slot -1 (padding, which no kernel touches); the worker loads and
+    saves only tokens that have a slot."""
+    first = start // block_size
+    blocks = torch.tensor(block_ids[first:-(-end // block_size)], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+    slots = slots[start - first * block_size:end - first * block_size]
+    if len(slots) < end - start:
+        slots = torch.cat([slots, slots.new_full((end - start - len(slots),), -1)])
+    return slots
 
 
 @dataclass

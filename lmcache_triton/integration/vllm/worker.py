@@ -152,8 +152,8 @@ class WorkerSide:
         return CacheMode(database, key_rotation=to_position_zero)
 
     def _blend(self, req: ReqMeta, n: int) -> None:
-        tokens = torch.tensor(req.token_ids[:n], dtype=torch.int64)
-        slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
+        tokens = torch.tensor(req.token_ids[:n], dtype=torch.int64)  # CacheBlend's metadata has the ids from 0
+        slots = req.slots(0, n).to(self.kvcaches[0].device)
         self.blender.blend_request(tokens, kvcaches=self.kvcaches, slot_mapping=slots, **req.key_args())
 
     # ---- loads ---------------------------------------------------------------------------------
@@ -161,16 +161,17 @@ class WorkerSide:
         return self.parent._get_connector_metadata()
 
     def _record_failed(self, req: ReqMeta, expected: torch.Tensor, loaded: torch.Tensor | None) -> None:
-        """Reports the blocks of `expected` tokens that did not load, so vLLM recomputes them.
-        Never raises: it is the error path."""
+        """Reports the blocks of `expected` tokens (a mask over tokens 0..) that did not load, so
+        vLLM recomputes them. Never raises: it is the error path."""
         try:
             got = torch.zeros(len(expected), dtype=torch.bool)
             if loaded is not None:
                 m = min(len(loaded), len(expected))
                 got[:m] = loaded[:m].cpu()
             missing = expected.cpu() & ~got
-            n = min(len(missing), len(req.slot_mapping))
-            slots = req.slot_mapping[:n][missing[:n].cpu()]
+            pos = missing.nonzero().flatten() - req.token_offset  # the slot mapping starts there
+            pos = pos[(pos >= 0) & (pos < len(req.slot_mapping))]
+            slots = req.slot_mapping[pos]
             slots = slots[slots >= 0]
             if missing.any():
                 blocks = (slots // self.block_size).unique().tolist()
@@ -195,18 +196,20 @@ class WorkerSide:
 
     def _start_load(self, req: ReqMeta, spec: Any) -> None:
         # No more than vLLM accepted and has slots for (the scheduler clamps; this guards).
-        n = min(spec.lmcache_cached_tokens, len(req.token_ids), _valid_slots(req.slot_mapping))
-        expected = torch.ones(n, dtype=torch.bool)
-        expected[: spec.vllm_cached_tokens // self.config.chunk_size * self.config.chunk_size] = False
-        if n <= 0 or not expected.any():
+        n = min(spec.lmcache_cached_tokens, req.num_tokens, req.token_offset + _valid_slots(req.slot_mapping))
+        start = spec.vllm_cached_tokens // self.config.chunk_size * self.config.chunk_size
+        if n <= 0 or start >= n:
             return
-        tokens = req.token_ids[:n]
-        slots = req.slot_mapping[:n].to(self.kvcaches[0].device)
-        kw = dict(kvcaches=self.kvcaches, slot_mapping=slots, **req.key_args())
+        expected = torch.ones(n, dtype=torch.bool)
+        expected[:start] = False
         try:
-            if self.blender is not None:
+            if self.blender is not None:  # it reads the prompt from token 0 itself
                 self._blend(req, n)
-            elif self.engine.layerwise:
+                return
+            tokens, scope = req.engine_tokens(start, n)
+            kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slots(start, n).to(self.kvcaches[0].device),
+                      offset=start, **scope)
+            if self.engine.layerwise:
                 retriever = self.engine.retrieve_layer(tokens, expected, **kw)
                 entry = (req, retriever, expected)
                 self.retrievers.append(entry)
@@ -234,24 +237,29 @@ class WorkerSide:
             self._advance(entry)
 
     # ---- saves ---------------------------------------------------------------------------------
-    def _store_args(self, req: ReqMeta) -> tuple[list[int], torch.Tensor, dict] | None:
+    def _store_args(self, req: ReqMeta) -> tuple[list[int] | int, torch.Tensor | None, dict] | None:
+        """(tokens, mask, keyword arguments) of the engine's store of this step's new chunks, or None."""
         spec = req.save_spec
         if self.kv_role == "kv_consumer" or spec is None or not spec.can_save:
             return None
-        skip = spec.skip_leading_tokens // self.config.chunk_size * self.config.chunk_size
+        chunk = self.config.chunk_size
+        skip = spec.skip_leading_tokens // chunk * chunk
         # Tokens without a slot (-1) have no KV to save; nor does anything behind them.
-        num_tokens = min(len(req.token_ids), _valid_slots(req.slot_mapping))
-        if num_tokens < len(req.token_ids):
-            num_tokens = num_tokens // self.config.chunk_size * self.config.chunk_size
+        num_tokens = min(req.num_tokens, req.token_offset + _valid_slots(req.slot_mapping))
+        if num_tokens < req.num_tokens:
+            num_tokens = num_tokens // chunk * chunk
         if skip >= num_tokens:
             return None
-        mask = torch.ones(num_tokens, dtype=torch.bool)
-        mask[:skip] = False
         if self.blender is not None:
-            mask = None  # segments, not a prefix: each is stored once, whatever was loaded
-        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping[:num_tokens].to(self.kvcaches[0].device),
-                  **req.key_args())
-        return req.token_ids[:num_tokens], mask, kw
+            skip = 0  # segments, not a prefix: each is stored once, whatever was loaded
+        tokens, scope = req.engine_tokens(skip, num_tokens)
+        mask = None
+        if skip and not isinstance(tokens, int):  # with chunk hashes from `skip` on, the engine skips the rest
+            mask = torch.ones(num_tokens, dtype=torch.bool)
+            mask[:skip] = False
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slots(skip, num_tokens).to(self.kvcaches[0].device),
+                  offset=skip, **scope)
+        return tokens, mask, kw
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if self.engine is None or not self.engine.layerwise:
@@ -304,10 +312,12 @@ class WorkerSide:
                     logger.exception("lmcache_triton: releasing the lookup holds of %s failed", req_id)
 
     def _verify(self, req: ReqMeta) -> None:
-        n = min(req.verify_tokens, len(req.token_ids), _valid_slots(req.slot_mapping))
-        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slot_mapping[:n].to(self.kvcaches[0].device),
-                  **req.key_args())
-        checked, mismatched = self.engine.verify(req.token_ids[:n], **kw)
+        n = min(req.verify_tokens, req.num_tokens, req.token_offset + _valid_slots(req.slot_mapping))
+        if n <= 0:
+            return
+        tokens, scope = req.engine_tokens(0, n)
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slots(0, n).to(self.kvcaches[0].device), **scope)
+        checked, mismatched = self.engine.verify(tokens, **kw)
         logger.debug("lmcache_triton: verified %d chunks of request %s, %d mismatched", checked, req.req_id,
                      mismatched)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from lmcache_triton.integration.vllm.lookup import protocol
+from lmcache_triton.keys import ChunkHashes
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -30,7 +31,8 @@ class LookupClient:
     Synchronous mode waits for the answers. Asynchronous mode (`enable_async_loading`) returns
     None until every answer is in, so vLLM's scheduler asks again in a later step.
     Results are kept per lookup id until `clear_lookup_status`, so repeated questions about a
-    request that could not be scheduled yet cost nothing.
+    request that could not be scheduled yet cost nothing. With `chunk_hashes` (the prompt's
+    token chain, `keys.TokenChain`) the question carries 16 bytes a chunk, not the token ids.
     """
 
     def __init__(self, engine_id: str, world_size: int, *, timeout_ms: int, asynchronous: bool = False) -> None:
@@ -55,14 +57,14 @@ class LookupClient:
             self._socks.append(sock)
 
     def lookup(self, tokens: list[int], lookup_id: str, *, namespace: str = "", adapter: str = "",
-               mm_spans: list | None = None) -> int | None:
+               mm_spans: list | None = None, chunk_hashes: ChunkHashes | None = None) -> int | None:
         if lookup_id in self._results:
             return self._results[lookup_id]
         pending = self._pending.get(lookup_id)
         if pending is None:
             pending = _Pending(next(self._seq), time.monotonic() + self.timeout_s)
             frames = protocol.encode_request(pending.seq, lookup_id, tokens, namespace, adapter, mm_spans,
-                                             deadline=time.time() + self.timeout_s)
+                                             deadline=time.time() + self.timeout_s, chunk_hashes=chunk_hashes)
             for sock in self._socks:
                 sock.send_multipart(frames, copy=False)
             self._pending[lookup_id] = pending

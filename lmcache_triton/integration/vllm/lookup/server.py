@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -34,20 +35,19 @@ class LMCacheLookupServer:
         logger.info("lmcache_triton lookup server listening on %s", self.address)
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
-        header, tokens, mm_spans = protocol.decode_request(frames)
-        deadline = header.get("deadline")
-        if deadline is not None and time.time() > float(deadline):
+        request = protocol.decode_request(frames)
+        if request.deadline is not None and time.time() > float(request.deadline):
             # The scheduler has given up on it (a miss there): running it would only hold chunks
             # nobody loads and keep later lookups queued behind a slow remote.
             self.skipped_expired += 1
-            return protocol.encode_reply(header["seq"], 0)
+            return protocol.encode_reply(request.seq, 0)
         try:
-            hit = self.engine.lookup(tokens, reserve=True, lookup_id=header["id"], namespace=header.get("ns") or "",
-                                     adapter=header.get("adapter") or "", mm_spans=mm_spans)
+            tokens, scope = request.lookup_args()
+            hit = self.engine.lookup(tokens, reserve=True, lookup_id=request.lookup_id, **scope)
         except Exception:  # a failing lookup is a miss, never a dead server
             logger.exception("lmcache_triton lookup failed; answering 0")
             hit = 0
-        return protocol.encode_reply(header["seq"], hit)
+        return protocol.encode_reply(request.seq, hit)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -79,11 +79,22 @@ class LMCacheLookupServer:
 
 class LMCacheAsyncLookupServer(LMCacheLookupServer):
     """Runs lookups in a small pool and replies as each finishes, so a slow lookup (a remote
-    tier's round trip) never holds up the next request (`enable_async_loading`)."""
+    tier's round trip) never holds up the next request (`enable_async_loading`). A finished
+    lookup wakes the serving thread at once (an inproc socket), so a reply waits for no poll
+    timeout: a lookup's round trip is its own time."""
 
     def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int, workers: int = 2) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmct-lookup-async")
         self._done: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        ctx = zmq.Context.instance()
+        wake = f"inproc://lmct-lookup-done-{uuid.uuid4().hex}"
+        self._wake_rx = ctx.socket(zmq.PULL)
+        self._wake_rx.setsockopt(zmq.LINGER, 0)
+        self._wake_rx.bind(wake)
+        self._wake_tx = ctx.socket(zmq.PUSH)  # shared by the pool's threads: used under the lock
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(wake)
+        self._wake_lock = threading.Lock()
         super().__init__(engine, engine_id, rank)
 
     def _finish(self, identity: bytes, frames: list[bytes]) -> None:
@@ -91,21 +102,38 @@ class LMCacheAsyncLookupServer(LMCacheLookupServer):
             self._done.put([identity, *self._answer(frames)])
         except Exception as e:
             logger.warning("lmcache_triton lookup server: bad request (%s)", e)
+            return
+        with self._wake_lock:
+            if not self._stop.is_set():
+                try:
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:  # the serving thread's next poll sends it anyway
+                    pass
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(5))
+            events = dict(poller.poll(100))
+            if self._wake_rx in events:
+                while True:
+                    try:
+                        self._wake_rx.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
             while True:  # replies are sent from this thread only: zmq sockets are not thread-safe
                 try:
                     self._send(self._done.get_nowait())
                 except queue.Empty:
                     break
-            if events:
+            if self._sock in events:
                 identity, *frames = self._sock.recv_multipart()
                 self._pool.submit(self._finish, identity, frames)
 
     def close(self) -> None:
         super().close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._wake_lock:
+            self._wake_tx.close(0)
+        self._wake_rx.close(0)
