@@ -58,6 +58,7 @@ COMMANDS = {
     "kernels": Command(("bench.kernels",), "paged gather/scatter GB/s vs the torch reference and a plain copy",
                        own_plot=True),
     "engine": Command(("bench.engine",), "store/lookup/retrieve of one long prompt through the engine"),
+    "startup": Command(("bench.startup",), "CPU tier start-up, page commit, and the first store into a fresh engine"),
     "lookup": Command(("bench.lookup",), "lookup and key hashing of one long prompt (scheduler and worker side)"),
     "storage": Command(("bench.storage_local", "bench.storage_remote"),
                        "serde, disk tier, then remote tier (cache server, Redis) throughput"),

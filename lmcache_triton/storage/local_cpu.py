@@ -1,4 +1,5 @@
-"""The CPU tier: chunks in a bounded pool (page-locked where CUDA exists), evicted least-recently-used first."""
+"""The CPU tier: chunks in a bounded pool (page-locked where CUDA exists, else committed ahead in the
+background), evicted least-recently-used first."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ class LocalCPUBackend:
     name = "LocalCPUBackend"
 
     def __init__(self, size_bytes: int, *, pin_memory: bool | None = None,
-                 on_evict: Callable[[CacheEngineKey, MemoryObj], None] | None = None) -> None:
-        self.pool = TensorMemoryPool(size_bytes, pin_memory=pin_memory)
+                 on_evict: Callable[[CacheEngineKey, MemoryObj], None] | None = None, prefault: bool = True) -> None:
+        # prefault: the pool commits its pages in the background from now on (README, Tiers), so
+        # the first stores do not fault them in; False for the old behaviour (bench/startup.py).
+        self.pool = TensorMemoryPool(size_bytes, pin_memory=pin_memory, prefault=prefault)
         self._objs: LRU[CacheEngineKey, MemoryObj] = LRU()
         self._lock = threading.RLock()
         self._on_evict = on_evict  # the StorageManager remembers why a key went (miss reasons)
@@ -149,3 +152,4 @@ class LocalCPUBackend:
             for obj in self._objs.values():
                 obj.free()
             self._objs = LRU()
+        self.pool.close()
