@@ -26,22 +26,12 @@ import uuid
 
 import torch
 
-from bench.common import context, median, write_json
+from bench.common import context, median, median_seconds, write_json
 from lmcache_triton import LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
 from lmcache_triton.engine.engine import LMCacheEngine
 from lmcache_triton.engine.token_database import ChunkedTokenDatabase
 from lmcache_triton.keys import TokenChain
 from lmcache_triton.tools.testing import make_kv_caches
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return median(times)
 
 
 def _prefill_hashing(prompt: list[int], chunk: int, step: int) -> tuple[float, int]:
@@ -95,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {**context(), "tokens": n, "chunk_size": chunk, "chunks": n_chunks, "step": args.step}
     try:
         # ---- scheduler side ----------------------------------------------------------------
-        prompt_hash_s = _median_s(lambda: TokenChain(chunk).chunk_hashes(prompt), max(3, args.repeats // 4))
+        prompt_hash_s = median_seconds(lambda: TokenChain(chunk).chunk_hashes(prompt), max(3, args.repeats // 4))
         hashes = TokenChain(chunk).chunk_hashes(prompt)
         inc = [_prefill_hashing(prompt, chunk, args.step) for _ in range(max(3, args.repeats // 4))]
         inc_s = median([s for s, _ in inc])
@@ -107,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         # ---- worker side ---------------------------------------------------------------------
         assert engine.store(n, kvcaches=caches, slot_mapping=slots, chunk_hashes=hashes, **scope) == n
         assert engine.lookup(prompt, **scope) == n, "keys from the hashes differ from keys from the ids"
-        lookup_s = _median_s(lambda: engine.lookup(n, chunk_hashes=hashes, **scope), args.repeats)
+        lookup_s = median_seconds(lambda: engine.lookup(n, chunk_hashes=hashes, **scope), args.repeats)
 
         reserved, released = [], []
         for _ in range(args.repeats + 1):  # the lookup server's call; the load's release timed apart
@@ -118,9 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
             reserved.append(t1 - t0)
             released.append(time.perf_counter() - t1)
         reserved_s, release_s = median(reserved[1:]), median(released[1:])
-        old_list_s = _median_s(lambda: engine.lookup(prompt, **scope), max(3, args.repeats // 3))
+        old_list_s = median_seconds(lambda: engine.lookup(prompt, **scope), max(3, args.repeats // 3))
         prompt_t = torch.tensor(prompt)
-        old_tensor_s = _median_s(lambda: engine.lookup(prompt_t, **scope), max(3, args.repeats // 3))
+        old_tensor_s = median_seconds(lambda: engine.lookup(prompt_t, **scope), max(3, args.repeats // 3))
         result.update(lookup_hashes_ms=lookup_s * 1e3, lookup_hashes_reserved_ms=reserved_s * 1e3,
                       release_reservation_ms=release_s * 1e3,
                       lookup_token_ids_ms=old_list_s * 1e3, lookup_token_tensor_ms=old_tensor_s * 1e3)
