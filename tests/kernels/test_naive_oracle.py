@@ -32,7 +32,6 @@ class Geo:
     heads: int
     head_size: int
     dtype: torch.dtype
-    scatter_blocks: bool    # reference.scatter_from_ref copies whole blocks: tokens outside heads in a block
     block_size: int = 16
     num_blocks: int = 8
     num_layers: int = 3
@@ -52,19 +51,19 @@ class Geo:
         return (num_tokens, hidden) if self.layout == "mla" else (num_tokens, 2, hidden)
 
 
-# Odd head sizes and dtypes on purpose. scatter_blocks is what reference.scatter_from_ref decides
-# (K's token stride >= its head stride, or one head); the counters below check the claim.
+# Odd head sizes and dtypes on purpose; whole blocks move as blocks in both directions, in every
+# layout, and the counters below check it.
 GEOS = [
-    pytest.param(Geo("vllm_packed", "LBNHC", 2, 8, torch.float16, True), id="packed-LBNHC-h2x8-fp16"),
-    pytest.param(Geo("vllm_packed", "BHLNC", 3, 5, torch.bfloat16, False), id="packed-BHLNC-h3x5-bf16"),
-    pytest.param(Geo("vllm_packed", "LHBNC", 1, 12, torch.uint8, True), id="packed-LHBNC-h1x12-u8"),
-    pytest.param(Geo("vllm_cpu", None, 2, 6, torch.float16, False), id="cpu-h2x6-fp16"),
-    pytest.param(Geo("vllm_cpu", None, 1, 10, torch.float32, True), id="cpu-h1x10-fp32"),
-    pytest.param(Geo("flash_attn", None, 3, 4, torch.float16, True), id="fa-h3x4-fp16"),
-    pytest.param(Geo("flashinfer", None, 2, 6, torch.float8_e4m3fn, True), id="fi-h2x6-fp8"),
-    pytest.param(Geo("mla", None, 1, 24, torch.bfloat16, True), id="mla-24-bf16"),
-    pytest.param(Geo("flash_attn", None, 2, 3, torch.float16, True, block_size=4, num_blocks=12), id="fa-bs4-h2x3"),
-    pytest.param(Geo("vllm_packed", "BLNHC", 1, 7, torch.float16, True, block_size=3, num_blocks=16),
+    pytest.param(Geo("vllm_packed", "LBNHC", 2, 8, torch.float16), id="packed-LBNHC-h2x8-fp16"),
+    pytest.param(Geo("vllm_packed", "BHLNC", 3, 5, torch.bfloat16), id="packed-BHLNC-h3x5-bf16"),
+    pytest.param(Geo("vllm_packed", "LHBNC", 1, 12, torch.uint8), id="packed-LHBNC-h1x12-u8"),
+    pytest.param(Geo("vllm_cpu", None, 2, 6, torch.float16), id="cpu-h2x6-fp16"),
+    pytest.param(Geo("vllm_cpu", None, 1, 10, torch.float32), id="cpu-h1x10-fp32"),
+    pytest.param(Geo("flash_attn", None, 3, 4, torch.float16), id="fa-h3x4-fp16"),
+    pytest.param(Geo("flashinfer", None, 2, 6, torch.float8_e4m3fn), id="fi-h2x6-fp8"),
+    pytest.param(Geo("mla", None, 1, 24, torch.bfloat16), id="mla-24-bf16"),
+    pytest.param(Geo("flash_attn", None, 2, 3, torch.float16, block_size=4, num_blocks=12), id="fa-bs4-h2x3"),
+    pytest.param(Geo("vllm_packed", "BLNHC", 1, 7, torch.float16, block_size=3, num_blocks=16),
                  id="packed-BLNHC-bs3-h1x7"),
 ]
 
@@ -139,23 +138,21 @@ def test_cpu_serving_path_matches_oracle(geo, direction, scope, pattern, monkeyp
 
     # Which path moved how many tokens (per call; every layer goes the same way).
     valid = int((slots >= 0).sum())
-    blocks = groups * geo.block_size if direction == "gather" or geo.scatter_blocks else 0
+    blocks = groups * geo.block_size
     assert moved.get(f"{direction}.blocks", 0) == blocks
     assert moved.get(f"{direction}.tokens", 0) == valid - blocks
-    # Every full group of block_size tokens whole, into a chunk whose blocks are contiguous
-    # (all-layers, or MLA's [T, C]): one index_select per layer straight into out.
-    into_out = (direction == "gather" and groups > 0 and groups == len(slots) // geo.block_size
-                and (scope == "all-layers" or geo.layout == "mla"))
+    # Every full group of block_size tokens whole: one index_select per layer straight into out,
+    # whatever the chunk's strides.
+    into_out = direction == "gather" and groups > 0 and groups == len(slots) // geo.block_size
     layers = geo.num_layers if scope == "all-layers" else 1
     assert moved.get("gather.into_out", 0) == (geo.num_kv * layers if into_out else 0)
 
 
 def test_every_reference_path_is_reached():
     """The patterns above, on the geometries above, reach every path of the reference: whole blocks
-    (all of them straight into out, or some), token by token, and per-token-only scatter layouts."""
+    (all of them straight into out, or some), and token by token."""
     geos = [p.values[0] for p in GEOS]
     assert {g.layout for g in geos} == set(LAYOUTS)
-    assert {g.scatter_blocks for g in geos} == {True, False}
     kinds = {(groups > 0, groups == len(slots) // bs, groups * bs < int((torch.tensor(slots) >= 0).sum()))
              for bs in {g.block_size for g in geos} for slots, groups in (f(bs) for f in PATTERNS.values())}
     assert (True, True, False) in kinds     # whole blocks only, straight into out
