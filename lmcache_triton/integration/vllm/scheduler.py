@@ -95,6 +95,10 @@ class SchedulerSide:
         self.use_chains = not config.enable_blending
         # Per request: its token chain and the hashes of its prompt's spans (what a lookup sends).
         self.prompt_chains: dict[str, tuple[TokenChain, ChunkHashes]] = {}
+        # Saves run after the step (worker.py): a finished request that was sent a save keeps its
+        # blocks until the workers report its saves done. Layerwise saves finish inside the forward.
+        self.async_saves = not config.use_layerwise
+        self.saving: set[str] = set()
 
     def _prompt_chain(self, request: Any, spans: list[MMSpan] | None) -> tuple[TokenChain, ChunkHashes]:
         """The request's chain and its prompt's span hashes, hashed at its first lookup only."""
@@ -165,7 +169,9 @@ class SchedulerSide:
             spec.lmcache_cached_tokens = min(spec.lmcache_cached_tokens, accepted)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
-        meta = LMCacheConnectorMetadata(lookup_requests_in_step=self.lookups_in_step)
+        meta = LMCacheConnectorMetadata(lookup_requests_in_step=self.lookups_in_step,
+                                        preempted_req_ids=sorted(getattr(scheduler_output, "preempted_req_ids",
+                                                                         None) or ()))
         self.lookups_in_step = []
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
@@ -231,10 +237,15 @@ class SchedulerSide:
             return
         if req_meta is not None:
             meta.add_request(req_meta)
+            if self.async_saves and req_meta.save_spec is not None and req_meta.save_spec.can_save:
+                self.saving.add(tracker.req_id)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        # Saves finish inside the step (wait_for_save), so vLLM may free the blocks at once.
+        """True: vLLM holds the blocks until the workers report the request's saves done (they
+        report exactly the requests sent a save, as this does); False: free them now."""
         req_id = request.request_id
+        held = req_id in self.saving
+        self.saving.discard(req_id)
         self.lookup_client.clear_lookup_status(req_id)
         self.load_specs.pop(req_id, None)
         self.prompt_chains.pop(req_id, None)
@@ -244,7 +255,7 @@ class SchedulerSide:
             self.pending_lookups.discard(req_id)
             if req_id not in self.lookups_in_step:
                 self.lookups_in_step.append(req_id)
-        return False, None
+        return held, None
 
     def close(self) -> None:
         self.lookup_client.close()

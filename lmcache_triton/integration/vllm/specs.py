@@ -263,11 +263,13 @@ def _slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch
 
 @dataclass
 class LMCacheConnectorMetadata(KVConnectorMetadata):
-    """One scheduler step: what to load and save per request, and which requests were looked up
-    (their lookup reservations are released by the workers once this step's loads are done)."""
+    """One scheduler step: what to load and save per request, which requests were looked up
+    (their lookup reservations are released by the workers once this step's loads are done), and
+    which vLLM preempted (their blocks are free again: the workers finish their queued saves first)."""
 
     requests: list[ReqMeta] = field(default_factory=list)
     lookup_requests_in_step: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     def add_request(self, req_meta: ReqMeta) -> None:
         self.requests.append(req_meta)

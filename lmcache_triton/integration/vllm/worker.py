@@ -2,10 +2,16 @@
 
 Every engine call is guarded: a cache failure costs a miss (the blocks are reported to vLLM,
 which recomputes them) or a skipped save, never a failed step.
+
+Saves are asynchronous (saver.py) unless the connector is layerwise (whose per-layer stores run
+inside the forward): `wait_for_save` queues the step's stores and returns; a finished request that
+saved is reported in `finished_sending` once its stores are done (vLLM holds its blocks until
+then); a preempted request's stores are waited for before the next step touches any block.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Generator
 from typing import Any
@@ -22,6 +28,7 @@ from lmcache_triton.integration.vllm.common import (
     kv_identity,
     world_size,
 )
+from lmcache_triton.integration.vllm.saver import AsyncSaver
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
@@ -73,6 +80,11 @@ class WorkerSide:
         self.invalid_block_ids: set[int] = set()
         self.instance_id = ""
         self.blender = None
+        # Async saving, decided from the config alone, as the scheduler side decides which
+        # finished requests vLLM must hold for us (the two must agree: see `get_finished`).
+        self.saver: AsyncSaver | None = None if config.use_layerwise else AsyncSaver(torch.device("cpu"))
+        self.saving: set[str] = set()      # requests that queued saves and have not finished
+        self.finishing: set[str] = set()   # finished (vLLM holds their blocks), saves not yet done
 
     # ---- set-up --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -97,6 +109,9 @@ class WorkerSide:
             # AMX blocks hold K in another (unverified) order than the "vec" blocks: never mixed.
             kv_identity=kv_identity(self.vllm_config, f"{layout}-amx" if cpu_blocks_opaque() else layout))
         connector = create_gpu_connector(self.config, metadata, layout, device=self.kvcaches[0].device)
+        if self.saver is not None and self.kvcaches[0].is_cuda:
+            self.saver.close(timeout=0)
+            self.saver = AsyncSaver(self.kvcaches[0].device)
         self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
         model = self._blend_model() if self.config.enable_blending else None
         mode = self._blend_mode(metadata, model, connector) if model is not None else None
@@ -109,7 +124,9 @@ class WorkerSide:
                                                            model=model)
         # Lookups run in a small pool whatever the client's mode: one lookup waiting on a dead or
         # slow remote must not hold up the next, whose chunks may all be in the CPU tier.
-        self.lookup_server = LMCacheAsyncLookupServer(self.engine, engine_id(self.vllm_config), rank)
+        self.lookup_server = LMCacheAsyncLookupServer(
+            self.engine, engine_id(self.vllm_config), rank,
+            before_lookup=self.saver.flush if self.saver is not None else None)
         logger.info("lmcache_triton worker ready: %d layers, layout %s, block_size %d", len(self.kvcaches), layout,
                     geo.block_size)
 
@@ -159,6 +176,14 @@ class WorkerSide:
     # ---- loads ---------------------------------------------------------------------------------
     def _meta(self) -> LMCacheConnectorMetadata:
         return self.parent._get_connector_metadata()
+
+    def before_step(self, meta: LMCacheConnectorMetadata) -> None:
+        """Runs as the step's metadata is bound, before its loads and forward: vLLM freed the blocks
+        of the requests it preempted at once (no `request_finished`), and this step may hand them to
+        another request, so their queued saves must have read them first."""
+        preempted = [r for r in meta.preempted_req_ids if r in self.saving]
+        if self.saver is not None and preempted and not self.saver.wait(preempted):
+            logger.error("lmcache_triton: saves of preempted requests %s did not finish", preempted)
 
     def _record_failed(self, req: ReqMeta, expected: torch.Tensor, loaded: torch.Tensor | None) -> None:
         """Reports the blocks of `expected` tokens (a mask over tokens 0..) that did not load, so
@@ -279,9 +304,11 @@ class WorkerSide:
                 self.storers[req.req_id] = iter(())
 
     def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self.saver is not None:  # whatever happens below: the scheduler holds these requests' blocks
+            self.saving.update(r.req_id for r in meta.requests if r.save_spec is not None and r.save_spec.can_save)
         if self.engine is None:
             return
-        meta = self._meta()
         try:
             for req in meta.requests:
                 # Each request on its own: a failure costs that request's save, not the others'.
@@ -294,7 +321,10 @@ class WorkerSide:
                             pass
                     elif (args := self._store_args(req)) is not None:
                         tokens, mask, kw = args
-                        self.engine.store(tokens, mask, **kw)
+                        if self.saver is None:
+                            self.engine.store(tokens, mask, **kw)
+                        else:
+                            self.saver.submit(req.req_id, functools.partial(self.engine.store, tokens, mask, **kw))
                 except Exception:
                     logger.exception("lmcache_triton: save of request %s failed; its chunks stay uncached",
                                      req.req_id)
@@ -321,11 +351,24 @@ class WorkerSide:
         logger.debug("lmcache_triton: verified %d chunks of request %s, %d mismatched", checked, req.req_id,
                      mismatched)
 
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """The finished requests whose saves are all done (vLLM then frees their blocks). Exactly
+        those the scheduler side held: every finished request that was sent a save, and only once."""
+        if self.saver is None:
+            return None
+        self.finishing |= self.saving & finished_req_ids
+        self.saving -= finished_req_ids
+        done = {r for r in self.finishing if self.saver.idle(r)}
+        self.finishing -= done
+        return done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.invalid_block_ids = self.invalid_block_ids, set()
         return out
 
     def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close(timeout=self.config.blocking_timeout_secs)
         if self.lookup_server is not None:
             self.lookup_server.close()
             self.lookup_server = None

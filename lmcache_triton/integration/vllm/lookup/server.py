@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import zmq
@@ -21,8 +22,12 @@ class LMCacheLookupServer:
     """Answers each lookup in its own thread, in order. The chunks it reports stay held in the
     CPU tier (under the lookup id) until the worker has loaded them and calls `release_reservation`."""
 
-    def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int) -> None:
+    def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int,
+                 before_lookup: Callable[[float], object] | None = None) -> None:
         self.engine = engine
+        # Called with the seconds left to the lookup's deadline: the worker finishes its queued
+        # saves (memory copies) first, so a prompt saved by the step before is found.
+        self.before_lookup = before_lookup
         self.skipped_expired = 0
         self.address = protocol.socket_path(engine_id, rank)
         self._ctx = zmq.Context.instance()
@@ -42,6 +47,9 @@ class LMCacheLookupServer:
             self.skipped_expired += 1
             return protocol.encode_reply(request.seq, 0)
         try:
+            if self.before_lookup is not None:
+                left = 1.0 if request.deadline is None else float(request.deadline) - time.time()
+                self.before_lookup(max(0.0, min(left, 1.0)))
             tokens, scope = request.lookup_args()
             hit = self.engine.lookup(tokens, reserve=True, lookup_id=request.lookup_id, **scope)
         except Exception:  # a failing lookup is a miss, never a dead server
@@ -83,7 +91,8 @@ class LMCacheAsyncLookupServer(LMCacheLookupServer):
     lookup wakes the serving thread at once (an inproc socket), so a reply waits for no poll
     timeout: a lookup's round trip is its own time."""
 
-    def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int, workers: int = 2) -> None:
+    def __init__(self, engine: LMCacheEngine, engine_id: str, rank: int, workers: int = 2,
+                 before_lookup: Callable[[float], object] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmct-lookup-async")
         self._done: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         ctx = zmq.Context.instance()
@@ -95,7 +104,7 @@ class LMCacheAsyncLookupServer(LMCacheLookupServer):
         self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(wake)
         self._wake_lock = threading.Lock()
-        super().__init__(engine, engine_id, rank)
+        super().__init__(engine, engine_id, rank, before_lookup)
 
     def _finish(self, identity: bytes, frames: list[bytes]) -> None:
         try:
