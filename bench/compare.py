@@ -1,18 +1,36 @@
-"""The same engine-level workload on lmcache_triton and on LMCache, in one run, with ratios.
+"""The same engine-level workloads on lmcache_triton and on LMCache, in one run, with ratios.
 
-    python -m bench.compare [--cases 8192:32 32768:8] [--repeats 3] [--lmcache-version 0.5.6] [--plot]
+    python -m bench.compare [--workloads flash_attn packed] [--cases 8192:32 32768:8] [--repeats 3]
+                            [--packed 8192:8] [--prompts 5] [--tier-gb 4] [--settle 3] [--lmcache-version 0.5.6] [--plot]
 
-Store, lookup and retrieve of a prompt in vLLM's paged layout on the CPU tier, Llama-3-8B-shaped KV
+Two workloads (both by default), each reporting store GB/s, retrieve GB/s, lookup ms and the first
+store GB/s on both sides and the ratios:
+
+packed: vLLM's packed layout (`vllm_packed`, per layer [num_blocks, heads, block_size, 2*head_size],
+all layers in one allocation as vLLM 0.32 lays them out), block 16, chunk 256, bf16, 8 KV heads x
+128. `--packed TOKENS:LAYERS` (default 8192:8, 256 MiB per prompt). A fresh engine per side with a
+`--tier-gb` CPU tier (default 4), whose creation is timed ("engine start"); `--settle` seconds
+later (default 3: a server's start-up after it creates the engine; 0: at once) its first store; 1 + `--prompts` distinct
+prompts, each stored from and retrieved into its own random order of whole blocks (a new
+permutation per prompt), and looked up. The first prompt is the warm-up (its store is "first
+store"); medians over the other `--prompts` (default 5). Every retrieve is checked bit for bit.
+LMCache drives this layout through a plain torch-indexing connector (bench/lmcache_side.py), as it
+has no CPU connector.
+
+flash_attn: store, lookup and retrieve of a prompt in vLLM's paged layout on the CPU tier, Llama-3-8B-shaped KV
 (8 KV heads, head 128, bf16; 128 KiB per token at 32 layers). A case is TOKENS:LAYERS. Defaults:
 8K tokens x 32 layers (1 GiB) and 32K tokens x 8 layers (1 GiB): 32K x 32 layers is 4 GiB per copy,
 and each side holds three (source cache, CPU tier, destination cache), too much beside the other
 jobs on this 16-24 GiB host; `--cases 32768:32` runs it where RAM allows.
 
-The workload lives in bench/lmcache_side.py and runs unchanged on both sides, each in its own
-process: lmcache_triton in this interpreter's environment, LMCache in its own virtual environment
-(.bench-venvs/lmcache-<version>, created on the first run: torch==<this torch> then lmcache; reused
-after). Layout: flash_attn ([2, blocks, block_size, heads, head]), the one paged layout LMCache's
-CPU (torch) fallback supports; it has no connector for vLLM's CPU backend layout at all.
+Layout: flash_attn ([2, blocks, block_size, heads, head]), the one paged layout LMCache's CPU
+(torch) fallback supports; it has no connector for vLLM's CPU backend layout at all. The engine
+and tier are created once, then the first store, then `--repeats` x (clear, store, lookup, retrieve).
+
+Both workloads live in bench/lmcache_side.py and run unchanged on both sides, each side and case
+in its own process (a fresh engine): lmcache_triton in this interpreter's environment, LMCache in
+its own virtual environment (.bench-venvs/lmcache-<version>, created on the first run:
+torch==<this torch> then lmcache; reused after).
 An operation LMCache cannot run here is printed as "not comparable: <reason>".
 """
 
@@ -29,8 +47,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / ".bench-venvs"
+WORKLOADS = ("packed", "flash_attn")
 OPS = (("store_gbps", "store GB/s", True), ("retrieve_gbps", "retrieve GB/s", True),
-       ("lookup_ms", "lookup ms", False), ("store_first_gbps", "first store GB/s", True))
+       ("lookup_ms", "lookup ms", False), ("store_first_gbps", "first store GB/s", True),
+       ("start_ms", "engine start ms", False))
 # If lmcache's full dependency set cannot be installed (its CUDA-only pins), these are what its
 # engine imports on the CPU path; installed beside `lmcache --no-deps`.
 MINIMAL_DEPS = ["numpy<=2.2.6", "pyyaml", "safetensors", "msgspec", "prometheus_client", "psutil", "py-cpuinfo",
@@ -87,25 +107,34 @@ def run_ours(spec_path: str) -> None:
     """The lmcache_triton side (this environment): same workload, our engine and connector."""
     import os
 
-    from bench.lmcache_side import run_workload
+    from bench.lmcache_side import run_packed_workload, run_workload
     from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
 
     spec = json.loads(Path(spec_path).read_text())
     nbytes = spec["tokens"] * spec["layers"] * 2 * spec["heads"] * spec["head_size"] * 2
     import torch
 
-    config = LMCacheEngineConfig.from_defaults(chunk_size=spec["chunk_size"],
-                                               max_local_cpu_size=nbytes * 1.05 / 2**30 + 0.05)
+    packed = spec.get("workload") == "packed"
+    tier_gb = float(spec["tier_gb"]) if packed else nbytes * 1.05 / 2**30 + 0.05
+    config = LMCacheEngineConfig.from_defaults(chunk_size=spec["chunk_size"], max_local_cpu_size=tier_gb)
     metadata = LMCacheEngineMetadata(model_name="bench/llama-8b-shaped", world_size=1, worker_id=0,
                                      kv_dtype=torch.bfloat16,
                                      kv_shape=(spec["layers"], 2, spec["chunk_size"], spec["heads"], spec["head_size"]))
-    engine = LMCacheEngineBuilder.get_or_create("bench-compare", config, metadata,
-                                                create_gpu_connector(config, metadata, "flash_attn"))
+    layout = "vllm_packed" if packed else "flash_attn"
+
+    def make_engine():
+        return LMCacheEngineBuilder.get_or_create("bench-compare", config, metadata,
+                                                  create_gpu_connector(config, metadata, layout))
+
     try:
-        out = run_workload(spec, engine, engine.storage_manager.clear)
+        if packed:
+            out = run_packed_workload(spec, make_engine)
+        else:
+            engine = make_engine()
+            out = run_workload(spec, engine, engine.storage_manager.clear)
     finally:
         LMCacheEngineBuilder.destroy("bench-compare")
-    print("RESULT " + json.dumps({"notes": {"torch": torch.__version__, "connector": "flash_attn"}, **out}), flush=True)
+    print("RESULT " + json.dumps({"notes": {"torch": torch.__version__, "connector": layout}, **out}), flush=True)
     os._exit(0)
 
 
@@ -124,12 +153,22 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--side", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)
-    p.add_argument("--cases", nargs="+", default=["8192:32", "32768:8"], help="TOKENS:LAYERS (default: %(default)s)")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="which workloads to run (default: both)")
+    p.add_argument("--cases", nargs="+", default=["8192:32", "32768:8"],
+                   help="flash_attn workload: TOKENS:LAYERS (default: %(default)s)")
+    p.add_argument("--packed", default="8192:8", help="packed workload: TOKENS:LAYERS (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=5,
+                   help="packed workload: timed prompts after the warm-up one (default: %(default)s)")
+    p.add_argument("--tier-gb", type=float, default=4.0, help="packed workload: CPU tier size (default: %(default)s)")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="packed workload: seconds between creating the engine and its first store, as a "
+                        "server's start-up after creating it (default: %(default)s; 0: store at once)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="flash_attn workload: rounds (default: %(default)s)")
     p.add_argument("--lmcache-version", default="0.5.6")
     p.add_argument("--lmcache-python", help="use this interpreter for the LMCache side (skips the venv install)")
     p.add_argument("--plot", action="store_true", help="draw a PNG of the ratios next to the JSON (needs matplotlib)")
@@ -144,47 +183,79 @@ def main(argv: list[str] | None = None) -> dict:
         lmc_py, how = Path(args.lmcache_python), "given with --lmcache-python"
     else:
         lmc_py, how = ensure_lmcache_venv(args.lmcache_version)
+    geo = {"heads": args.heads, "head_size": args.head_size, "block_size": args.block_size,
+           "chunk_size": args.chunk_size}
+    specs = []
+    if "packed" in args.workloads:
+        tokens, layers = (int(v) for v in args.packed.split(":"))
+        specs.append({"workload": "packed", "tokens": tokens, "layers": layers, **geo, "prompts": args.prompts,
+                      "tier_gb": args.tier_gb, "settle_s": args.settle})
+    if "flash_attn" in args.workloads:
+        for case in args.cases:
+            tokens, layers = (int(v) for v in case.split(":"))
+            specs.append({"workload": "flash_attn", "tokens": tokens, "layers": layers, **geo, "repeats": args.repeats})
     rows = []
     with tempfile.TemporaryDirectory(prefix="lmct-compare-") as tmp:
-        for case in progress(args.cases, total=len(args.cases), desc="compare"):
-            tokens, layers = (int(v) for v in case.split(":"))
-            spec = {"tokens": tokens, "layers": layers, "heads": args.heads, "head_size": args.head_size,
-                    "block_size": args.block_size, "chunk_size": args.chunk_size, "repeats": args.repeats}
-            sp = Path(tmp) / f"{case.replace(':', '-')}.json"
+        for n, spec in enumerate(progress(specs, total=len(specs), desc="compare")):
+            sp = Path(tmp) / f"{n}-{spec['workload']}-{spec['tokens']}-{spec['layers']}.json"
             sp.write_text(json.dumps(spec))
             ours = _side(sys.executable, ["-m", "bench.compare", "--side", "lmcache_triton", str(sp)], "lmcache_triton")
             theirs = _side(str(lmc_py), [str(ROOT / "bench" / "lmcache_side.py"), str(sp)], "LMCache")
             rows.append({**spec, "lmcache_triton": ours, "lmcache": theirs,
-                         "ratios": {k: ratio(ours.get(k, "missing"), theirs.get(k, "missing"), hb) for k, _, hb in OPS}})
-    result = {**context(), "layout": "flash_attn", "lmcache_install": how, "rows": rows}
+                         "ratios": {k: ratio(ours.get(k, "missing"), theirs.get(k, "missing"), hb) for k, _, hb in OPS
+                                    if k in ours or k in theirs}})
+    result = {**context(), "lmcache_install": how, "rows": rows}
     _print(result)
     path = write_json("compare", result)
     print(f"wrote {path}")
     if args.plot:
-        groups = {f"{r['tokens']} tokens x {r['layers']} layers": {label: r["ratios"][k] for k, label, _ in OPS
-                                                                   if isinstance(r["ratios"][k], float)} for r in rows}
+        groups = {_case(r): {label: r["ratios"][k] for k, label, _ in OPS if isinstance(r["ratios"].get(k), float)}
+                  for r in rows}
         png = plot_bars(path.with_suffix(".png"), "lmcache_triton / LMCache per operation (>1: ours faster)",
                         groups, "ratio")
         print(f"wrote {png}")
     return result
 
 
+def _case(r: dict) -> str:
+    return f"{r['workload']} {r['tokens']} tok x {r['layers']} L"
+
+
 def _print(result: dict) -> None:
-    r0 = result["rows"][0] if result["rows"] else {}
-    print(f"\n{result['device']}  layout flash_attn, CPU tier, bf16, {r0.get('heads')} KV heads x {r0.get('head_size')}, "
-          f"block {r0.get('block_size')}, chunk {r0.get('chunk_size')}, median of {r0.get('repeats')}")
-    print(f"LMCache: {r0.get('lmcache', {}).get('notes', {})}\n  installed: {result['lmcache_install']}")
-    print(f"{'case':<18} {'operation':<17} {'lmcache_triton':>14} {'LMCache':>10} {'ratio (>1: ours faster)':>24}")
-    for r in result["rows"]:
-        for k, label, _ in OPS:
-            o, t, q = r["lmcache_triton"].get(k), r["lmcache"].get(k), r["ratios"][k]
-            qs = f"{q:24.2f}x" if isinstance(q, float) else "  " + str(q)
-            print(f"{r['tokens']:>6} tok x {r['layers']:>2} L  {label:<17} {_fmt(o):>14} {_fmt(t)} {qs}")
-        for side in ("lmcache_triton", "lmcache"):
-            s = r[side]
-            if "verified" in s or "lookup_hits" in s:
-                print(f"{'':18} {side}: retrieved {s.get('retrieved_tokens')} / lookup {s.get('lookup_hits')} of "
-                      f"{r['tokens']} tokens, bytes equal: {s.get('verified')}")
+    print(f"\n{result['device']}")
+    lmc = next((r["lmcache"]["notes"] for r in result["rows"] if isinstance(r["lmcache"].get("notes"), dict)), {})
+    print(f"LMCache {lmc.get('lmcache', '?')} (torch {lmc.get('torch', '?')})\n  installed: {result['lmcache_install']}")
+    for wl in WORKLOADS:
+        rows = [r for r in result["rows"] if r["workload"] == wl]
+        if not rows:
+            continue
+        r0 = rows[0]
+        if wl == "packed":
+            print(f"\nworkload packed: vllm_packed (one allocation), a fresh engine per side, {r0['tier_gb']:g} GB CPU "
+                  f"tier, a new random block order per prompt, bf16, {r0['heads']} KV heads x {r0['head_size']}, "
+                  f"block {r0['block_size']}, chunk {r0['chunk_size']}; median of {r0['prompts']} prompts after 1 "
+                  f"warm-up (first store = the warm-up's, {r0.get('settle_s', 0):g} s after the engine's start)")
+            print(f"  LMCache connector: {r0['lmcache'].get('notes', {}).get('connector', '?')}")
+        else:
+            print(f"\nworkload flash_attn: CPU tier, bf16, {r0['heads']} KV heads x {r0['head_size']}, "
+                  f"block {r0['block_size']}, chunk {r0['chunk_size']}, median of {r0['repeats']}")
+            print(f"  LMCache connector: {r0['lmcache'].get('notes', {}).get('connector', '?')}")
+        print(f"{'case':<24} {'operation':<17} {'lmcache_triton':>14} {'LMCache':>10} {'ratio (>1: ours faster)':>24}")
+        for r in rows:
+            for k, label, _ in OPS:
+                if k not in r["ratios"]:  # not measured in this workload
+                    continue
+                o, t, q = r["lmcache_triton"].get(k), r["lmcache"].get(k), r["ratios"][k]
+                qs = f"{q:24.2f}x" if isinstance(q, float) else "  " + str(q)
+                print(f"{_case(r):<24} {label:<17} {_fmt(o):>14} {_fmt(t)} {qs}")
+            for side in ("lmcache_triton", "lmcache"):
+                s = r[side]
+                if "verified" in s or "lookup_hits" in s:
+                    print(f"{'':24} {side}: retrieved {s.get('retrieved_tokens')} / lookup {s.get('lookup_hits')} of "
+                          f"{r['tokens']} tokens, bytes equal: {s.get('verified')}")
+                for key in ("stores_gbps", "retrieves_gbps"):
+                    if key in s:
+                        print(f"{'':24} {side} {key[:-5]} GB/s per prompt: " + " ".join(f"{v:.2f}" for v in s[key]))
 
 
 if __name__ == "__main__":

@@ -6,16 +6,31 @@ Runs in LMCache's own virtual environment (torch + lmcache only: this file impor
 lmcache_triton or bench, so it runs there unchanged). bench/compare.py imports `run_workload` from
 here for the lmcache_triton side, so both sides time exactly the same code on the same bytes.
 
-The workload: one prompt of `tokens` tokens in vLLM's paged layout (flash_attn: per layer
-[2, num_blocks, block_size, kv_heads, head_size], bf16, random blocks in the slot mapping), CPU tier
-only. First store into a fresh tier, then `repeats` x (clear, store, lookup, retrieve into a zeroed
-cache); medians. After the last retrieve the scattered blocks must equal the source.
+Two workloads, chosen by the spec's "workload" key:
 
-LMCache on CPU: its factory (CreateGPUConnector) has no CPU connector for vLLM, and
+* "flash_attn" (`run_workload`): one prompt of `tokens` tokens in vLLM's paged layout (flash_attn:
+  per layer [2, num_blocks, block_size, kv_heads, head_size], bf16, random blocks in the slot
+  mapping), CPU tier only. First store into a fresh tier, then `repeats` x (clear, store, lookup,
+  retrieve into a zeroed cache); medians. After the last retrieve the scattered blocks must equal
+  the source.
+* "packed" (`run_packed_workload`): vLLM's packed layout (`vllm_packed`: per layer
+  [num_blocks, kv_heads, block_size, 2*head_size], K in the first head_size columns, V after; all
+  layers views of one allocation, as vLLM 0.32 and bench/engine.py lay them out), a fresh engine
+  with a `tier_gb` CPU tier; its creation is timed ("start_ms"), then `settle_s` seconds pass
+  (a server's start-up after it creates the engine), then the first store. 1 + `prompts` distinct prompts
+  of `tokens` tokens, each stored from its own random block order and retrieved into another
+  (a new permutation of whole blocks per prompt and direction), then looked up. The first prompt
+  is the warm-up and gives the first store into the fresh engine; medians over the rest. Every
+  retrieve is checked bit for bit against the source (the tokens it reports retrieved).
+
+LMCache on CPU, "flash_attn": its factory (CreateGPUConnector) has no CPU connector for vLLM, and
 VLLMPagedMemGPUConnectorV2 creates CUDA streams and asserts a CUDA device. `CPUPagedConnector` is
 that class with only those spots replaced (stub streams, no device assert, layer pointers cached
 per cache rather than per device); every copy still
 goes through LMCache's own device_ops.multi_layer_kv_transfer, which on CPU is its torch fallback.
+LMCache on CPU, "packed": `TorchPackedConnector`, LMCache's GPUConnectorInterface implemented with
+plain torch indexing a layer at a time (cache[blocks, :, offsets] <-> the chunk's K and V rows),
+since LMCache has no CPU connector for this layout either.
 """
 
 from __future__ import annotations
@@ -91,6 +106,95 @@ def run_workload(spec: dict, engine, clear: Callable[[], Any]) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- the packed workload
+
+def make_packed_caches(spec: dict, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """vllm_packed caches as vLLM 0.32 hands them over (lmcache_triton.tools.testing.make_kv_caches
+    with order LBNHC): one allocation [layers, blocks, block_size, heads, 2*head_size], each layer a
+    [blocks, heads, block_size, 2*head_size] view of it. Random (generator) or zeros (None)."""
+    bs, heads, hs, layers = spec["block_size"], spec["heads"], spec["head_size"], spec["layers"]
+    nb = -(-spec["tokens"] // bs) + 4
+    shape = (layers, nb, bs, heads, 2 * hs)
+    if generator is None:
+        base = torch.zeros(shape, dtype=torch.bfloat16)
+    else:
+        base = torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    return list(base.permute(0, 1, 3, 2, 4).unbind(0))
+
+
+def make_packed_inputs(spec: dict) -> dict:
+    """Caches, and per prompt (1 warm-up + `prompts`) its tokens and a store and a retrieve slot
+    mapping, each whole blocks in a new random order; bit-identical on both sides."""
+    bs, n = spec["block_size"], spec["tokens"]
+    nb = -(-n // bs) + 4
+    g = torch.Generator().manual_seed(0)
+    src, dst = make_packed_caches(spec, g), make_packed_caches(spec, None)
+
+    def slots() -> torch.Tensor:
+        blocks = torch.randperm(nb, generator=g)[: -(-n // bs)]
+        return (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:n].to(torch.int64)
+
+    prompts = [{"tokens": torch.randint(0, 32000, (n,), generator=g), "store_slots": slots(),
+                "retrieve_slots": slots()} for _ in range(1 + spec["prompts"])]
+    return {"src": src, "dst": dst, "prompts": prompts,
+            "bytes": n * spec["layers"] * 2 * spec["heads"] * spec["head_size"] * 2}
+
+
+def _packed_rows(caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    bs = caches[0].shape[2]
+    blk, off = slots // bs, slots % bs
+    return [c[blk, :, off].view(torch.int16) for c in caches]
+
+
+def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
+    """The inputs first, then `make_engine()` (a fresh engine), then at once the warm-up prompt:
+    its store is the first store. Then `prompts` x (store, lookup, retrieve) of new prompts;
+    medians. An operation that raises is "not comparable: <reason>"."""
+    x = make_packed_inputs(spec)
+    gb = x["bytes"] / 1e9
+    out: dict[str, Any] = {"bytes": x["bytes"]}
+    t0 = time.perf_counter()
+    engine = make_engine()
+    out["start_ms"] = (time.perf_counter() - t0) * 1e3
+    # A server's first request comes after its start-up (vLLM creates the engine when it registers
+    # its KV caches, then warms up for seconds): `settle_s` of that, the same on both sides.
+    time.sleep(float(spec.get("settle_s", 0.0)))
+    stores, lookups, retrieves, hits, found, verified = [], [], [], [], [], []
+    for i, p in enumerate(x["prompts"]):
+        try:
+            t, _ = _timed(lambda: engine.store(p["tokens"], kvcaches=x["src"], slot_mapping=p["store_slots"]))
+        except Exception as e:  # noqa: BLE001 - the reason is the result
+            traceback.print_exc(file=sys.stderr)
+            out.setdefault("store_first_gbps", _not_comparable(e))
+            return {**out, **{k: _not_comparable(e) for k in ("store_gbps", "lookup_ms", "retrieve_gbps")}}
+        if i == 0:
+            out["store_first_gbps"] = gb / t
+        else:
+            stores.append(t)
+        t, n = _timed(lambda: engine.lookup(p["tokens"]))
+        if i:
+            lookups.append(t), hits.append(int(n))
+        try:
+            t, mask = _timed(lambda: engine.retrieve(p["tokens"], kvcaches=x["dst"], slot_mapping=p["retrieve_slots"]))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            out["retrieve_gbps"] = _not_comparable(e)
+            retrieves = []
+            break
+        if i:
+            retrieves.append(t), found.append(int(mask.sum()))
+        got = mask.to(torch.bool).cpu()     # the tokens the engine says it retrieved must be the stored bytes
+        verified.append(bool(got.any()) and all(
+            torch.equal(a[got], b[got]) for a, b in zip(_packed_rows(x["src"], p["store_slots"]),
+                                                        _packed_rows(x["dst"], p["retrieve_slots"]))))
+    out |= {"store_gbps": gb / statistics.median(stores), "lookup_ms": statistics.median(lookups) * 1e3,
+            "lookup_hits": min(hits), "stores_gbps": [gb / t for t in stores]}
+    if retrieves:
+        out |= {"retrieve_gbps": gb / statistics.median(retrieves), "retrieved_tokens": min(found),
+                "retrieves_gbps": [gb / t for t in retrieves], "verified": all(verified)}
+    return out
+
+
 # ---------------------------------------------------------------- LMCache
 
 def _cpu_connector_cls():
@@ -131,6 +235,53 @@ def _cpu_connector_cls():
     return CPUPagedConnector
 
 
+def _torch_packed_connector_cls():
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    class TorchPackedConnector(GPUConnectorInterface):
+        """vllm_packed caches ([num_blocks, heads, block_size, 2*head_size] per layer) <-> LMCache's
+        KV_2LTD memory objects ([2, layers, tokens, heads*head_size]), by plain torch indexing, a
+        layer at a time: the chunk's slots -> (block, offset), cache[block, :, offset] is the
+        tokens' [heads, 2*head_size] rows (K then V)."""
+
+        def __init__(self, layers: int, heads: int, head_size: int):
+            self.num_layers, self.heads, self.head_size = layers, heads, head_size
+            self.hidden_dim_size = heads * head_size
+            self.kvcaches = None
+
+        def get_shape(self, num_tokens: int) -> torch.Size:
+            return torch.Size([2, self.num_layers, num_tokens, self.hidden_dim_size])
+
+        def _at(self, memory_obj, start: int, end: int, kwargs):
+            caches, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
+            bs = caches[0].shape[2]
+            kv = memory_obj.tensor.view(2, self.num_layers, end - start, self.heads, self.head_size)
+            return caches, slots // bs, slots % bs, kv
+
+        def from_gpu(self, memory_obj, start: int, end: int, **kwargs):
+            caches, blk, off, kv = self._at(memory_obj, start, end, kwargs)
+            d = self.head_size
+            for layer, c in enumerate(caches):
+                rows = c[blk, :, off]                       # [tokens, heads, 2*head_size]
+                kv[0, layer].copy_(rows[..., :d])
+                kv[1, layer].copy_(rows[..., d:])
+
+        def to_gpu(self, memory_obj, start: int, end: int, **kwargs):
+            caches, blk, off, kv = self._at(memory_obj, start, end, kwargs)
+            for layer, c in enumerate(caches):
+                c[blk, :, off] = torch.cat((kv[0, layer], kv[1, layer]), dim=-1)
+
+        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+            for m, s, e in zip(memory_objs, starts, ends):
+                self.from_gpu(m, s, e, **kwargs)
+
+        def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
+            for m, s, e in zip(memory_objs, starts, ends):
+                self.to_gpu(m, s, e, **kwargs)
+
+    return TorchPackedConnector
+
+
 def run_lmcache(spec: dict) -> dict:
     import lmcache
     from lmcache.utils import EngineType
@@ -168,13 +319,41 @@ def run_lmcache(spec: dict) -> dict:
         LMCacheEngineBuilder.destroy("bench-compare")
 
 
+def run_lmcache_packed(spec: dict) -> dict:
+    """The packed workload on a fresh LMCache engine with a `tier_gb` CPU tier and TorchPackedConnector."""
+    import lmcache
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    config = LMCacheEngineConfig.from_defaults(chunk_size=spec["chunk_size"], local_cpu=True,
+                                               max_local_cpu_size=float(spec["tier_gb"]))
+    metadata = LMCacheMetadata(model_name="bench/llama-8b-shaped", world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.bfloat16,
+                               kv_shape=(spec["layers"], 2, spec["chunk_size"], spec["heads"], spec["head_size"]))
+    notes = {"lmcache": lmcache.__version__, "torch": torch.__version__,
+             "connector": "TorchPackedConnector (plain torch indexing per layer; LMCache has no CPU connector)"}
+
+    def make_engine():
+        connector = _torch_packed_connector_cls()(spec["layers"], spec["heads"], spec["head_size"])
+        engine = LMCacheEngineBuilder.get_or_create("bench-compare-packed", config, metadata, connector,
+                                                    lambda t, r: None, lambda o, r: o)
+        engine.post_init()
+        return engine
+
+    try:
+        return {"notes": notes, **run_packed_workload(spec, make_engine)}
+    finally:
+        LMCacheEngineBuilder.destroy("bench-compare-packed")
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     try:
-        result = run_lmcache(spec)
+        result = run_lmcache_packed(spec) if spec.get("workload") == "packed" else run_lmcache(spec)
     except Exception as e:  # noqa: BLE001 - e.g. lmcache fails to import on this host
         traceback.print_exc(file=sys.stderr)
-        result = {k: _not_comparable(e) for k in ("store_gbps", "lookup_ms", "retrieve_gbps")}
+        result = {k: _not_comparable(e) for k in ("store_gbps", "lookup_ms", "retrieve_gbps", "store_first_gbps")}
     print("RESULT " + json.dumps(result), flush=True)
     # LMCache leaves non-daemon threads (stats logger, event loop) that would keep us alive.
     os._exit(0)

@@ -111,15 +111,12 @@ def _int64_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int =
     return np.asarray(ids, dtype="<i8")
 
 
-def _to_int64_bytes(tokens: torch.Tensor | np.ndarray | Sequence[int]) -> bytes:
-    return _int64_array(tokens).tobytes()
-
-
-def chain_hash(prefix_hash: bytes, tokens: torch.Tensor | np.ndarray | Sequence[int], extra: bytes = b"") -> bytes:
-    """Hash of one chunk given the hash of everything before it."""
-    h = hashlib.blake2b(digest_size=_HASH_BYTES)
-    h.update(prefix_hash)
-    h.update(_to_int64_bytes(tokens))
+def chain_hash(prefix_hash: bytes, tokens: torch.Tensor | np.ndarray | Sequence[int] | memoryview,
+               extra: bytes = b"") -> bytes:
+    """Hash of one chunk given the hash of everything before it (`tokens` as ids, or as the bytes
+    of their little-endian int64s)."""
+    h = hashlib.blake2b(prefix_hash, digest_size=_HASH_BYTES)
+    h.update(tokens if isinstance(tokens, memoryview) else _int64_array(tokens))  # a buffer, no copy
     if extra:
         h.update(b"\x00extra\x00")
         h.update(extra)
@@ -207,11 +204,14 @@ class TokenChain:
         full = (len(tokens) if upto is None else min(upto, len(tokens))) // c
         done = len(self.hashes)
         if full > done:
-            ids = _int64_array(tokens, done * c, full * c)  # one conversion for all the new chunks
+            # one conversion for all the new chunks; each chunk hashed straight from its bytes
+            ids = memoryview(_int64_array(tokens, done * c, full * c)).cast("B")
             prev = self.hashes[-1] if done else CHAIN_ROOT
+            step = 8 * c
+            plain = self.mm_spans is None and self.extra_hashes is None  # nothing else to fold in
             for i in range(done, full):
-                off = (i - done) * c
-                prev = chain_hash(prev, ids[off:off + c], self._extra(i, i * c, (i + 1) * c))
+                off = (i - done) * step
+                prev = chain_hash(prev, ids[off:off + step], b"" if plain else self._extra(i, i * c, (i + 1) * c))
                 self.hashes.append(prev)
         return self.hashes
 

