@@ -100,8 +100,10 @@ def plot_result(module: str, path: Path) -> Path:
         title = f"engine, {data['tokens']} tokens x {data['layers']} layers ({data['layout']})"
         return plot_bars(png, title, groups, "GB/s")
     if module == "bench.ttft":
-        groups = {f"{r['tokens']} tokens": {"cold": r["cold_ms"], "warm": r["warm_ms"]} for r in data["rows"]}
-        return plot_bars(png, "vLLM TTFT, cold vs warm (loaded)", groups, "ms")
+        groups = {f"{r['tokens']} tokens": {"cold, vLLM alone": r["cold_without_ms"],
+                                            "cold, with connector": r["cold_with_ms"], "warm (loaded)": r["warm_ms"],
+                                            "warm floor": r["floor_ms"]} for r in data["rows"]}
+        return plot_bars(png, "vLLM TTFT: cold without / with the connector, warm vs its floor", groups, "ms")
     return plot_bars(png, module.split(".")[-1], _rows_plot(path, module), "GB/s")
 
 

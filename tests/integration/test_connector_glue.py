@@ -6,6 +6,7 @@ stays that request's."""
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -594,3 +595,27 @@ def test_scheduler_holds_exactly_the_finished_requests_that_were_sent_a_save():
     req.all_token_ids = req.prompt_token_ids
     _prefill(layerwise, req, range(4), step=2 * CHUNK)
     assert layerwise.request_finished(req, [0, 1, 2, 3]) == (False, None)
+
+
+def test_a_lookup_waits_for_the_saves_queued_before_it_only():
+    """The lookup right after a prompt's last step finds its chunks; saves queued after the
+    lookup began (a busy server's next steps) do not hold it up."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lmcache_triton.integration.vllm.saver import AsyncSaver
+
+    saver = AsyncSaver(torch.device("cpu"))
+    first, second = threading.Event(), threading.Event()
+    saver.submit("a", lambda: first.wait(30))
+    assert not saver.flush(timeout=0.2), "the queued save is still running"
+    with ThreadPoolExecutor(1) as pool:
+        lookup = pool.submit(saver.flush, 30)
+        time.sleep(0.1)
+        saver.submit("b", lambda: second.wait(30))   # queued after the lookup began
+        first.set()
+        assert lookup.result(timeout=30) is True and saver.idle("a")
+        assert not saver.idle("b"), "b still runs: the lookup did not wait for it"
+    second.set()
+    assert saver.wait(["b"], timeout=30)
+    saver.close(timeout=5)

@@ -178,3 +178,20 @@ def test_the_thread_makes_way_for_stores_and_close_cuts_its_pause_short(monkeypa
     pool.close()
     assert time.monotonic() - t0 < 30 and not _thread(pool).is_alive()
     obj.free()
+
+
+def test_committing_waits_while_the_host_computes(monkeypatch):
+    """vLLM's worker defers committing ahead while a step runs: it competes with the forward for
+    the cores. Deferred, the thread makes no progress; once the deferral lapses it finishes."""
+    import time
+
+    monkeypatch.setattr(memory, "_PREFAULT_STEP", 256 << 10)
+    pool = TensorMemoryPool(128 * MB, pin_memory=False)
+    pool.defer_prefault(30)
+    time.sleep(0.1)              # a step already under way when deferred ends within ~1 ms
+    before = pool.prefaulted_bytes
+    time.sleep(0.5)
+    assert pool.prefaulted_bytes == before < pool.capacity, "it committed while deferred"
+    pool.defer_prefault(0)       # the step ended
+    assert pool.wait_prefault(timeout=60) and pool.prefaulted_bytes == pool.capacity
+    pool.close()

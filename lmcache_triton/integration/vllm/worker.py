@@ -59,6 +59,13 @@ def adapt_kv_caches(tensors: list[torch.Tensor], *, use_mla: bool, cpu_backend: 
     raise ValueError(f"unknown vLLM KV cache layout: per-layer shape {tuple(t.shape)}, strides {t.stride()}")
 
 
+# While a step runs the CPU tier's pages are not committed ahead (it competes with the forward for
+# the cores); a step longer than this lets it go on anyway. After a step it waits this long for
+# the next one: between steps of a busy server it stays idle, the saves commit what they write.
+_STEP_BOUND_S = 30.0
+_IDLE_GAP_S = 0.05
+
+
 def _valid_slots(slot_mapping: torch.Tensor) -> int:
     """How many leading tokens have a slot (the scheduler pads with -1 where blocks ran out)."""
     bad = (slot_mapping < 0).nonzero()
@@ -173,6 +180,11 @@ class WorkerSide:
         slots = req.slots(0, n).to(self.kvcaches[0].device)
         self.blender.blend_request(tokens, kvcaches=self.kvcaches, slot_mapping=slots, **req.key_args())
 
+    def _defer_prefault(self, seconds: float) -> None:
+        manager = getattr(self.engine, "storage_manager", None)
+        if manager is not None:
+            manager.defer_prefault(seconds)
+
     # ---- loads ---------------------------------------------------------------------------------
     def _meta(self) -> LMCacheConnectorMetadata:
         return self.parent._get_connector_metadata()
@@ -181,6 +193,7 @@ class WorkerSide:
         """Runs as the step's metadata is bound, before its loads and forward: vLLM freed the blocks
         of the requests it preempted at once (no `request_finished`), and this step may hand them to
         another request, so their queued saves must have read them first."""
+        self._defer_prefault(_STEP_BOUND_S)  # the tier's pages are committed between steps, not beside them
         preempted = [r for r in meta.preempted_req_ids if r in self.saving]
         if self.saver is not None and preempted and not self.saver.wait(preempted):
             logger.error("lmcache_triton: saves of preempted requests %s did not finish", preempted)
@@ -329,6 +342,7 @@ class WorkerSide:
                     logger.exception("lmcache_triton: save of request %s failed; its chunks stay uncached",
                                      req.req_id)
         finally:
+            self._defer_prefault(_IDLE_GAP_S)  # committing ahead resumes once vLLM is idle for a moment
             for storer in self.storers.values():  # requests not in this step's metadata: close them
                 close = getattr(storer, "close", None)
                 if close is not None:
