@@ -66,7 +66,7 @@ COMMANDS = {
                    own_plot=True),
     "compare": Command(("bench.compare",), "the same engine workload on lmcache_triton and on LMCache",
                        own_plot=True),
-    "ttft": Command(("bench.ttft",), "vLLM time to first token, cold vs warm"),
+    "ttft": Command(("bench.ttft",), "vLLM time to first token: cold without/with the connector, warm vs its floor"),
     "prefix-cache": Command(("bench.prefix_cache",), "vLLM's own prefix cache without/with the connector as the "
                             "working set outgrows vLLM's KV pool (vllm bench serve)", own_plot=True),
 }

@@ -48,7 +48,8 @@ def _cpu_env() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def start_llm(model: str, *, connector: dict | None, max_model_len: int, dtype: str = "bfloat16"):
+def start_llm(model: str, *, connector: dict | None, max_model_len: int, dtype: str = "bfloat16",
+              prefix_caching: bool = False):
     """vLLM with the connector (`connector` = kv_connector_extra_config), prefix caching off so
     every reuse goes through lmcache_triton."""
     _cpu_env()
@@ -59,7 +60,7 @@ def start_llm(model: str, *, connector: dict | None, max_model_len: int, dtype: 
     if connector is not None:
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="LMCacheTritonConnectorV1", kv_role="kv_both",
                                                     kv_connector_extra_config=connector)
-    return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+    return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=prefix_caching,
                max_model_len=max_model_len, max_num_seqs=4, seed=0, **kw)
 
 
