@@ -9,6 +9,7 @@ and `get_finished` reports it in finished_sending once its saves are done.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lmcache_triton.integration.vllm.common import resolve_config
 from lmcache_triton.integration.vllm.scheduler import SchedulerSide
 from lmcache_triton.integration.vllm.worker import WorkerSide
+
+logger = logging.getLogger("lmcache_triton")
 
 
 class LMCacheTritonConnectorV1(KVConnectorBase_V1):
@@ -38,7 +41,10 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:  # before the step's loads and forward
-            self._worker.before_step(connector_metadata)
+            try:
+                self._worker.before_step(connector_metadata)
+            except Exception:  # the cache never fails vLLM's step
+                logger.exception("lmcache_triton: preparing the step failed")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)

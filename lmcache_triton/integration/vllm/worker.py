@@ -194,7 +194,7 @@ class WorkerSide:
         of the requests it preempted at once (no `request_finished`), and this step may hand them to
         another request, so their queued saves must have read them first."""
         self._defer_prefault(_STEP_BOUND_S)  # the tier's pages are committed between steps, not beside them
-        preempted = [r for r in meta.preempted_req_ids if r in self.saving]
+        preempted = [r for r in getattr(meta, "preempted_req_ids", ()) if r in self.saving]
         if self.saver is not None and preempted and not self.saver.wait(preempted):
             logger.error("lmcache_triton: saves of preempted requests %s did not finish", preempted)
 
