@@ -37,6 +37,7 @@ def _run_vllm(tmp_path: Path, spec: dict, *, timeout: int = 400) -> dict:
         del env["VLLM_CPU_KVCACHE_SPACE"]
     proc = subprocess.run([sys.executable, str(RUNNER), str(spec_file), str(out_file)], capture_output=True,
                           text=True, timeout=timeout, env=env)
+    spec_file.with_suffix(".log").write_text(proc.stdout + proc.stderr)  # kept for a failing test's reader
     if proc.returncode != 0 or not out_file.exists():
         raise AssertionError(f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out_file.read_text())

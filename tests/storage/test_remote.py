@@ -288,3 +288,38 @@ def test_refused_port_is_told_at_once_not_after_the_connect_wait(cache_server, f
     with pytest.raises(RemoteUnavailable, match="connection refused"):
         live.request(Command.HEALTH)
     dead.close(), live.close()
+
+
+def test_server_dying_mid_request_is_told_at_once_not_after_the_timeout(cache_server) -> None:
+    """A request in flight when its server dies is lost with the connection; ZMQ says nothing to
+    the socket, so without the disconnect monitor it waited out the whole timeout (in the fault
+    suite: 5 s of lookups stuck behind it, every prompt after the kill a miss)."""
+    import threading
+    from lmcache_triton.storage.remote import RemoteUnavailable
+    from lmcache_triton.server.wire import Command
+
+    client = CacheServerClient("127.0.0.1", cache_server.port, timeout_s=20.0)
+    assert client.health()
+    os.kill(cache_server.proc.pid, signal.SIGSTOP)  # the next request is sent, and never answered
+    outcome: dict = {}
+
+    def ask() -> None:
+        t = time.monotonic()
+        try:
+            client.request(Command.HEALTH)
+        except RemoteUnavailable as e:
+            outcome["error"] = str(e)
+        outcome["seconds"] = time.monotonic() - t
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.3)  # the request is on the wire
+    assert "seconds" not in outcome, "a stopped server answered"
+    cache_server.kill()
+    asker.join(10)
+    assert not asker.is_alive(), "the request waited past the server's death"
+    assert "connection lost" in outcome.get("error", ""), outcome
+    assert outcome["seconds"] < 0.3 + 3.0, outcome
+    with pytest.raises(RemoteUnavailable, match="connection refused"):
+        client.request(Command.HEALTH)  # and the dead port is then told at once
+    client.close()
