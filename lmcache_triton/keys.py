@@ -5,10 +5,14 @@ these names. Everything that changes a token's KV is part of its key (model, ran
 format, model variant and adapter, namespace, multimodal hashes); a secret never is (the
 namespace is a keyed digest of the request's cache_salt).
 
-Hashes are blake2b over the token ids as little-endian int64 bytes, the same in every process,
-across restarts and machines (LMCache uses Python's `hash()`, which changes with PYTHONHASHSEED).
+Hashes are the same in every process, across restarts and machines (LMCache uses Python's
+`hash()`, which changes with PYTHONHASHSEED). A chunk's token-chain hash is SHA-256 (truncated to
+16 bytes) over the previous chunk's hash and the chunk's token ids as little-endian uint32: on the
+x86 hosts here SHA-256 runs on the CPU's SHA instructions, and 4-byte ids halve the bytes, so the
+32 chunks of an 8K-token prompt hash in 82 us instead of 186 us as blake2b over int64 ids (key
+scheme lmct3), which was half of a lookup by token ids (0.36 ms).
 
-A chunk's hash is taken in two steps (key scheme `lmct3`):
+A chunk's hash is taken in two steps (key scheme `lmct4`):
 
 - the *token chain*, `chain_hash(hash of chunk i-1, ids of chunk i, its multimodal/extra bytes)`
   from `CHAIN_ROOT`: scope-free, so vLLM's scheduler computes it once per request as its tokens
@@ -37,9 +41,11 @@ _SEP = "@"
 # digest (v1 wrote the cache_salt in clear) and `identity` names the model variant and adapter.
 # v3: the chain over the tokens is scope-free and the scope is folded into each chunk's hash
 # (`scoped_hash`), so the scheduler hashes a request's tokens once (v2 seeded the chain with the scope).
-_KEY_PREFIX = "lmct3"
+# v4: the chain is SHA-256 over uint32 token ids (v3: blake2b over int64 ids).
+_KEY_PREFIX = "lmct4"
 # The token chain's hash "before the first chunk".
-CHAIN_ROOT = hashlib.blake2b(b"lmcache-triton/token-chain/v3", digest_size=_HASH_BYTES).digest()
+CHAIN_ROOT = hashlib.blake2b(b"lmcache-triton/token-chain/v4", digest_size=_HASH_BYTES).digest()
+_ID_BYTES = 4  # token ids hashed as little-endian uint32
 # The blake2b key of namespace digests when the config sets no `namespace_secret`.
 _NAMESPACE_KEY = b"lmcache-triton/namespace/v2"
 
@@ -98,29 +104,35 @@ def scoped_hash(seed: bytes, span_hash: bytes) -> bytes:
     return hashlib.blake2b(seed + span_hash, digest_size=_HASH_BYTES).digest()
 
 
-def _int64_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
-                 end: int | None = None) -> np.ndarray:
-    """Token ids [start, end) as a little-endian int64 array; only that range is read."""
+def _id_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
+              end: int | None = None) -> np.ndarray:
+    """Token ids [start, end) as a little-endian uint32 array; only that range is read. An id
+    that does not fit (negative, or 2**32 and above: no vocabulary is that large) is an error,
+    never wrapped into another id's bytes."""
     if isinstance(tokens, torch.Tensor):
-        return tokens[start:end].detach().to(device="cpu", dtype=torch.int64).contiguous().numpy().astype(
-            "<i8", copy=False)
-    try:
-        ids = tokens[start:end]  # lists, tuples, arrays and vLLM's ConstantList slice without a copy of the rest
-    except TypeError:  # an iterable that does not slice
-        ids = list(tokens)[start:end]
-    return np.asarray(ids, dtype="<i8")
+        ids = tokens[start:end].detach().to(device="cpu", dtype=torch.int64).numpy()
+    else:
+        try:
+            ids = tokens[start:end]  # lists, tuples, arrays and vLLM's ConstantList slice without a copy of the rest
+        except TypeError:  # an iterable that does not slice
+            ids = list(tokens)[start:end]
+        ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and ids.view(np.uint64).max() > 0xFFFFFFFF:  # one pass: a negative id reads as huge
+        bad = int(ids[(ids < 0) | (ids > 0xFFFFFFFF)][0])
+        raise ValueError(f"token id {bad} is not a vocabulary index (0 <= id < 2**32)")
+    return ids.astype("<u4")
 
 
 def chain_hash(prefix_hash: bytes, tokens: torch.Tensor | np.ndarray | Sequence[int] | memoryview,
                extra: bytes = b"") -> bytes:
     """Hash of one chunk given the hash of everything before it (`tokens` as ids, or as the bytes
-    of their little-endian int64s)."""
-    h = hashlib.blake2b(prefix_hash, digest_size=_HASH_BYTES)
-    h.update(tokens if isinstance(tokens, memoryview) else _int64_array(tokens))  # a buffer, no copy
+    of their little-endian uint32s)."""
+    h = hashlib.sha256(prefix_hash)
+    h.update(tokens if isinstance(tokens, memoryview) else _id_array(tokens))  # a buffer, no copy
     if extra:
         h.update(b"\x00extra\x00")
         h.update(extra)
-    return h.digest()
+    return h.digest()[:_HASH_BYTES]
 
 
 def chunk_extra(i: int, start: int, end: int, mm_spans: Sequence[MMSpan] | None = None,
@@ -205,14 +217,21 @@ class TokenChain:
         done = len(self.hashes)
         if full > done:
             # one conversion for all the new chunks; each chunk hashed straight from its bytes
-            ids = memoryview(_int64_array(tokens, done * c, full * c)).cast("B")
+            ids = memoryview(_id_array(tokens, done * c, full * c)).cast("B")
             prev = self.hashes[-1] if done else CHAIN_ROOT
-            step = 8 * c
-            plain = self.mm_spans is None and self.extra_hashes is None  # nothing else to fold in
-            for i in range(done, full):
-                off = (i - done) * step
-                prev = chain_hash(prev, ids[off:off + step], b"" if plain else self._extra(i, i * c, (i + 1) * c))
-                self.hashes.append(prev)
+            step = _ID_BYTES * c
+            if self.mm_spans is None and self.extra_hashes is None:  # nothing else to fold in
+                # chain_hash inlined: its call was a quarter of hashing 32 chunks (1 KiB each)
+                for off in range(0, (full - done) * step, step):
+                    h = hashlib.sha256(prev)
+                    h.update(ids[off:off + step])
+                    prev = h.digest()[:_HASH_BYTES]
+                    self.hashes.append(prev)
+            else:
+                for i in range(done, full):
+                    off = (i - done) * step
+                    prev = chain_hash(prev, ids[off:off + step], self._extra(i, i * c, (i + 1) * c))
+                    self.hashes.append(prev)
         return self.hashes
 
     def span_hash(self, tokens: torch.Tensor | np.ndarray | Sequence[int], i: int, end: int) -> bytes:
@@ -222,7 +241,7 @@ class TokenChain:
         if end >= (i + 1) * c:
             return self.extend(tokens, (i + 1) * c)[i]
         prev = self.extend(tokens, i * c)[i - 1] if i else CHAIN_ROOT
-        return chain_hash(prev, _int64_array(tokens, i * c, end), self._extra(i, i * c, end))
+        return chain_hash(prev, _id_array(tokens, i * c, end), self._extra(i, i * c, end))
 
     def chunk_hashes(self, tokens: torch.Tensor | np.ndarray | Sequence[int], end: int | None = None,
                      start: int = 0) -> ChunkHashes:

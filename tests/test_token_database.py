@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,8 +186,8 @@ def test_key_hash_is_the_scope_folded_into_the_token_chain():
     ns_hex, identity = db.key_scope("tenant-a", "lora:a:1")
     keys = _keys(db, tokens, namespace="tenant-a", adapter="lora:a:1")
     assert [k.chunk_hash for *_, k in keys] == [scoped_hash(scope_seed(ns_hex, identity), h).hex() for h in chain.hashes]
-    assert all(k.to_string().startswith("lmct3@") for *_, k in keys), "the key scheme was bumped"
-    old = keys[0][2].to_string().replace("lmct3@", "lmct2@", 1)
+    assert all(k.to_string().startswith("lmct4@") for *_, k in keys), "the key scheme was bumped"
+    old = keys[0][2].to_string().replace("lmct4@", "lmct3@", 1)
     with pytest.raises(ValueError, match="not a lmcache_triton key"):
         CacheEngineKey.from_string(old)
 
@@ -211,8 +212,8 @@ def test_incremental_chain_hashes_each_chunk_once(monkeypatch):
     prompt = list(range(1000, 1000 + 4 * 25 + 3))  # 25 whole chunks and a partial one
     reference = TokenChain(4).chunk_hashes(prompt)
     calls = []
-    real = keys_module.chain_hash
-    monkeypatch.setattr(keys_module, "chain_hash", lambda *a: calls.append(1) or real(*a))
+    real = keys_module.hashlib.sha256  # one per chunk hashed (the chain's hash function)
+    monkeypatch.setattr(keys_module.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
     chain = TokenChain(4)
     tokens: list[int] = []
     for end in range(7, len(prompt) + 7, 7):  # a chunked prefill, 7 tokens a step
@@ -266,3 +267,19 @@ def test_the_key_cache_is_bounded_and_never_changes_a_key():
     other = _keys(db, 40, chunk_hashes=hashes, namespace="b")
     fresh = _keys(_db(), tokens, namespace="a")
     assert first == again == fresh and all(x[2] != y[2] for x, y in zip(first, other))
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32], ids=["negative", "past-uint32"])
+def test_token_id_outside_uint32_is_an_error_not_another_ids_bytes(bad):
+    """Ids are hashed as uint32: one that does not fit must not wrap into another id's hash."""
+    with pytest.raises(ValueError, match=f"token id {bad} "):
+        TokenChain(4).chunk_hashes([1, 2, bad, 3])
+    assert TokenChain(4).chunk_hashes([1, 2, 2**32 - 1, 3]).hashes != TokenChain(4).chunk_hashes([1, 2, 0, 3]).hashes
+
+
+def test_ids_hash_alike_whatever_their_container():
+    ids = [5, 70000, 2**31 + 7, 0, 9, 9, 1, 3]
+    want = TokenChain(4).chunk_hashes(ids).hashes
+    for given in (tuple(ids), np.array(ids, dtype=np.int64), torch.tensor(ids, dtype=torch.int64),
+                  np.array(ids, dtype=np.uint32)):
+        assert TokenChain(4).chunk_hashes(given).hashes == want, type(given)
