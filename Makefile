@@ -23,10 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
-# The Redis tests start a real redis-server; on a machine without one (and without root) they skip.
+# The Redis tests start a real redis-server, the Redis Cluster tests three of them joined by
+# redis-cli (Debian's redis-tools); on a machine without them (and without root) they skip.
 redis-server:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
-		|| echo "redis-server could not be installed: the Redis tests will be skipped"
+	@(command -v redis-server && command -v redis-cli) >/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq redis-server redis-tools >/dev/null) \
+		|| echo "redis-server / redis-tools could not be installed: the Redis tests will be skipped"
 
 # tests/integration/test_prometheus_e2e.py starts a real Prometheus (Debian's package); without one it skips.
 prometheus:

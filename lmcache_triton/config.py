@@ -29,12 +29,12 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import yaml
 
 __all__ = [
-    "ConfigError", "LMCacheEngineConfig", "ENV_PREFIX", "CONFIG_FILE_ENV", "REMOTE_SCHEMES",
+    "CLUSTER_PROTOCOLS", "ConfigError", "LMCacheEngineConfig", "cluster_nodes", "ENV_PREFIX", "CONFIG_FILE_ENV", "REMOTE_SCHEMES",
     "connector_overrides", "option", "redact_url", "reference", "remote_url_forms", "reset_warnings",
 ]
 
@@ -62,8 +62,12 @@ _warned_env: set[str] = set()
 # server here; the others are served by storage/redis_backend.py, which hands redis-py the
 # protocol's scheme (valkey:// is redis://, valkeys:// is rediss://, TLS).
 REMOTE_SCHEMES: Mapping[str, str] = types.MappingProxyType(
-    {"lm": "lm", "redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss"}
+    {"lm": "lm", "redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
+     # a Redis Cluster / Valkey cluster given by one or more seed nodes (redis-py's cluster client)
+     "redis-cluster": "redis-cluster", "rediss-cluster": "rediss-cluster",
+     "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
 )
+CLUSTER_PROTOCOLS = ("redis-cluster", "rediss-cluster")
 # Substrings of names (extra_config keys, URL query parameters) whose values are redacted.
 _SECRET_WORDS = ("pass", "secret", "token", "credential", "auth")
 
@@ -74,7 +78,39 @@ class ConfigError(ValueError):
 
 def remote_url_forms() -> str:
     """The accepted remote_url forms, for messages and docs."""
-    return ", ".join(f"{s}://host:port" if p == "lm" else f"{s}://host:port[/db]" for s, p in REMOTE_SCHEMES.items())
+    def form(scheme: str, protocol: str) -> str:
+        if protocol == "lm":
+            return f"{scheme}://host:port"
+        if protocol in CLUSTER_PROTOCOLS:
+            return f"{scheme}://host:port[,host:port...]"
+        return f"{scheme}://host:port[/db]"
+
+    return ", ".join(form(s, p) for s, p in REMOTE_SCHEMES.items())
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """(seed nodes, user name, password) of a `redis-cluster://[user:password@]host:port[,host:port...]`
+    URL; ValueError naming the part that is wrong (never showing the password)."""
+    _, _, rest = url.partition("://")
+    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    userinfo, at, hosts = rest[:end].rpartition("@")
+    user = password = None
+    if at:
+        name, colon, secret = userinfo.partition(":")
+        user, password = (unquote(name) or None), (unquote(secret) if colon else None)
+        if not colon:  # redis://TOKEN@host: the user info is the password (as redis-py reads it)
+            user, password = None, unquote(name)
+    nodes = []
+    for item in hosts.split(","):
+        try:
+            parts = urlsplit(f"//{item}")
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"cluster node {item!r}: {e}") from None
+        if not parts.hostname or port is None:
+            raise ValueError(f"cluster node {item!r} is not host:port")
+        nodes.append((parts.hostname, port))
+    return nodes, user, password
 
 
 def redact_url(url: str) -> str:
@@ -107,6 +143,17 @@ def _check_remote_url(url: str) -> None:
         return ConfigError(f"invalid value for 'remote_url': {why}; accepted forms: {remote_url_forms()}, "
                            f"got {redact_url(url)!r}")
 
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if REMOTE_SCHEMES.get(scheme) in CLUSTER_PROTOCOLS:
+        try:
+            cluster_nodes(url)
+        except ValueError as e:
+            raise bad(str(e)) from None
+        rest = url.partition("://")[2]
+        tail = rest[min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest)):]
+        if tail not in ("", "/"):
+            raise bad(f"{scheme}:// URLs take no path, query or fragment (a cluster has database 0 only)")
+        return
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -248,7 +295,8 @@ class LMCacheEngineConfig:
         "max_local_disk_size > 0.", normalize=_disk_path)
     max_local_disk_size: float = option(0.0, "Size of the disk tier, GB.", ge=0)
     remote_url: str | None = option(
-        None, "The remote tier: the cache server here (lm://), or Redis / Valkey. A password in it is "
+        None, "The remote tier: the cache server here (lm://), Redis / Valkey, or a Redis Cluster / "
+        "Valkey cluster (several seed nodes). A password in it is "
         "redacted wherever the URL is shown.", check=_check_remote_url, accepted=remote_url_forms(),
         redact=redact_url)
     remote_serde: str = option("naive", "How chunks are encoded for the remote tier (lz4: lossless).",

@@ -608,6 +608,9 @@ def test_remote_schemes_config_and_backend_factory_agree(monkeypatch):
     built = []
     monkeypatch.setattr(remote, "CacheServerBackend", lambda host, port, *a, **k: built.append(("lm", host, port)))
     monkeypatch.setattr(redis_backend, "RedisBackend", lambda url, *a, **k: built.append(("redis", url)))
+    from lmcache_triton.storage import redis_cluster
+
+    monkeypatch.setattr(redis_cluster, "RedisClusterBackend", lambda url, *a, **k: built.append(("cluster", url)))
     candidates = [*config_mod.REMOTE_SCHEMES, "http", "https", "resp", "unix", "s3", "mooncakestore", "lms",
                   "tcp", "file", "redis+tls", "valkeyss", "REDIS"]
     accepted_by_config, accepted_by_factory = set(), set()
@@ -628,8 +631,10 @@ def test_remote_schemes_config_and_backend_factory_agree(monkeypatch):
     assert {s.lower() for s in accepted_by_config} == set(config_mod.REMOTE_SCHEMES)  # URL schemes ignore case
     assert "valkeys" in accepted_by_config and len(built) == len(accepted_by_factory)
     for scheme, protocol in config_mod.REMOTE_SCHEMES.items():
-        if protocol != "lm":
+        if protocol in ("redis", "rediss"):
             assert redis_backend.redis_url(f"{scheme}://h:1").startswith(f"{protocol}://")
+        elif protocol != "lm":
+            assert protocol in config_mod.CLUSTER_PROTOCOLS
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from lmcache_triton.config import REMOTE_SCHEMES, redact_url, remote_url_forms
+from lmcache_triton.config import CLUSTER_PROTOCOLS, REMOTE_SCHEMES, redact_url, remote_url_forms
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.server import wire
 from lmcache_triton.server.wire import Command, Limits, Status
@@ -270,8 +270,9 @@ def parse_lm_url(url: str) -> tuple[str, int]:
 
 def create_remote_backend(url: str, metadata: LMCacheEngineMetadata | None, *, compression: str = "naive",
                           timeout_s: float = 10.0, auth_token: str | None = None) -> StorageBackend:
-    """The backend for `url` (config `remote_url`): lm://, redis://, rediss:// or valkey://."""
-    scheme = urlsplit(url).scheme
+    """The backend for `url` (config `remote_url`): lm://, redis://, rediss://, valkey://, or a cluster's
+    redis-cluster:// (rediss-, valkey-, valkeys-cluster://)."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme == "lm":
         host, port = parse_lm_url(url)
         return CacheServerBackend(host, port, metadata, compression=compression, timeout_s=timeout_s,
@@ -280,4 +281,9 @@ def create_remote_backend(url: str, metadata: LMCacheEngineMetadata | None, *, c
         from lmcache_triton.storage.redis_backend import RedisBackend  # imports the redis package lazily
 
         return RedisBackend(url, metadata, compression=compression, timeout_s=timeout_s, auth_token=auth_token)
+    if REMOTE_SCHEMES.get(scheme) in CLUSTER_PROTOCOLS:
+        from lmcache_triton.storage.redis_cluster import RedisClusterBackend
+
+        return RedisClusterBackend(url, metadata, compression=compression, timeout_s=timeout_s,
+                                   auth_token=auth_token)
     raise ValueError(f"unsupported remote url scheme {scheme!r} in {redact_url(url)!r}; use {remote_url_forms()}")
