@@ -45,19 +45,39 @@ def redis_url(url: str) -> str:
     return urlunsplit(parts._replace(scheme=_SCHEMES[parts.scheme]))
 
 
+def require_redis(url: str) -> None:
+    """ImportError naming the extra to install, where the redis package is missing."""
+    try:
+        import redis  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"remote_url {url!r} needs the `redis` package: pip install 'lmcache-triton[redis]'") from e
+
+
+def bounded_get(read, key: str, limit: int | None) -> bytes | None:
+    """`read(start, end)` is GETRANGE of the value under `key` (`read(None, None)`: a plain GET, when
+    no bound is known): the value, None if absent, OversizedValueError past `limit` bytes."""
+    if limit is None:  # no metadata, no bound on what a chunk may be
+        return read(None, None)
+    value = read(0, limit)  # both ends inclusive: at most limit + 1 bytes
+    if not value:
+        return None
+    if len(value) > limit:
+        raise OversizedValueError(f"value under {key!r} is larger than the {limit} bytes of this engine's "
+                                  "largest chunk; refused after reading that many")
+    return value
+
+
 class RedisBackend(RemoteChunkBackend):
     name = "RedisBackend"
 
     def __init__(self, url: str, metadata: LMCacheEngineMetadata | None = None, *, compression: str = "naive",
                  timeout_s: float = 10.0, auth_token: str | None = None, key_prefix: str = KEY_PREFIX) -> None:
         super().__init__(url=redact_url(url), metadata=metadata, compression=compression, timeout_s=timeout_s)
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError as e:
-            raise ImportError(f"remote_url {self.url!r} needs the `redis` package: "
-                              "pip install 'lmcache-triton[redis]'") from e
+        require_redis(self.url)
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         kwargs = {}
         if auth_token and not urlsplit(url).password:
             kwargs["password"] = auth_token
@@ -74,16 +94,9 @@ class RedisBackend(RemoteChunkBackend):
         self._redis.set(self._k(key), data)
 
     def _get_bytes(self, key: str) -> bytes | None:
-        if self._max_value_bytes is None:  # no metadata, no bound on what a chunk may be
-            return self._redis.get(self._k(key))
-        limit = self._max_value_bytes
-        value = self._redis.getrange(self._k(key), 0, limit)  # both ends inclusive: at most limit + 1 bytes
-        if not value:
-            return None
-        if len(value) > limit:
-            raise OversizedValueError(f"value under {key!r} is larger than the {limit} bytes of this engine's "
-                                      "largest chunk; refused after reading that many")
-        return value
+        k = self._k(key)
+        return bounded_get(lambda a, b: self._redis.get(k) if a is None else self._redis.getrange(k, a, b),
+                           key, self._max_value_bytes)
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
         # EXISTS k1 k2 ... returns a count, not which ones: one pipelined round trip of single EXISTS

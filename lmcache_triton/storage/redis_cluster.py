@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from lmcache_triton.config import REMOTE_SCHEMES, cluster_nodes, redact_url
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage import serde
-from lmcache_triton.storage.redis_backend import KEY_PREFIX, OversizedValueError
+from lmcache_triton.storage.redis_backend import KEY_PREFIX, bounded_get, require_redis
 from lmcache_triton.storage.remote_base import (
     _BACKOFF_MAX_S,
     _BACKOFF_MIN_S,
@@ -54,11 +54,7 @@ class RedisClusterBackend(RemoteChunkBackend):
     def __init__(self, url: str, metadata: LMCacheEngineMetadata | None = None, *, compression: str = "naive",
                  timeout_s: float = 10.0, auth_token: str | None = None, key_prefix: str = KEY_PREFIX) -> None:
         super().__init__(url=redact_url(url), metadata=metadata, compression=compression, timeout_s=timeout_s)
-        try:
-            import redis  # noqa: F401
-        except ImportError as e:
-            raise ImportError(f"remote_url {self.url!r} needs the `redis` package: "
-                              "pip install 'lmcache-triton[redis]'") from e
+        require_redis(self.url)
         scheme = url.partition("://")[0].lower()
         if REMOTE_SCHEMES.get(scheme) not in ("redis-cluster", "rediss-cluster"):
             raise ValueError(f"not a cluster url: {self.url!r} (expected redis-cluster://, rediss-cluster://, "
@@ -145,16 +141,12 @@ class RedisClusterBackend(RemoteChunkBackend):
         return [bool(self._on_node(key, lambda: self._cluster().exists(self._k(key))))]
 
     def _get_bytes(self, key: str) -> bytes | None:
-        if self._max_value_bytes is None:
-            return self._on_node(key, lambda: self._cluster().get(self._k(key)))
-        limit = self._max_value_bytes
-        value = self._on_node(key, lambda: self._cluster().getrange(self._k(key), 0, limit))
-        if not value:
-            return None
-        if len(value) > limit:
-            raise OversizedValueError(f"value under {key!r} is larger than the {limit} bytes of this engine's "
-                                      "largest chunk; refused after reading that many")
-        return value
+        k = self._k(key)
+
+        def read(a, b):
+            return self._on_node(key, lambda: self._cluster().get(k) if a is None else self._cluster().getrange(k, a, b))
+
+        return bounded_get(read, key, self._max_value_bytes)
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
         """One pipeline per master; a master that fails (or backs off) answers "absent" for its keys."""
