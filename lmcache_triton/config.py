@@ -318,6 +318,9 @@ class LMCacheEngineConfig:
                                         "on its own.", ge=0)
     blend_special_str: str = option(" # # ", "CacheBlend: the text that separates a prompt's segments.")
     save_decode_cache: bool = option(False, "Also store the KV of generated tokens.")
+    enable_offload_server: bool = option(
+        False, "Each worker rank serves offload requests (store these slots under these chunk hashes) on an "
+        "owner-only IPC socket; whoever reaches it decides what is stored under which hash.")
     save_unfull_chunk: bool | None = option(
         None, "Store the partial last chunk of a prompt. Not given (None): true with enable_blending "
         "(CacheBlend needs each segment's partial chunk; LMCache forces it too, logged), else false as "

@@ -6,6 +6,7 @@ stays that request's."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -619,3 +620,121 @@ def test_a_lookup_waits_for_the_saves_queued_before_it_only():
     second.set()
     assert saver.wait(["b"], timeout=30)
     saver.close(timeout=5)
+
+
+# ---- the offload server (issue #15): another process stores slots under chunk hashes ----------------
+_OFFLOAD_CLIENT = """
+import json, sys
+from lmcache_triton.integration.vllm.offload_server import OffloadClient
+from lmcache_triton.keys import TokenChain
+address, chunk, prompt, slots, namespace = sys.argv[1], int(sys.argv[2]), *map(json.loads, sys.argv[3:5]), sys.argv[5]
+h = TokenChain(chunk).chunk_hashes(prompt)
+offsets = [chunk] * (len(prompt) // chunk) + ([len(prompt) % chunk] if len(prompt) % chunk else [])
+client = OffloadClient("", address=address, timeout_s=30)
+ok = client.offload(list(h.hashes), slots, offsets, namespace=namespace)
+print(json.dumps({"ok": ok, "stored": client.last_stored, "error": client.last_error}))
+"""
+
+
+def _offload_worker(engine, caches, tmp_path):
+    from lmcache_triton.integration.vllm.offload_server import ZMQOffloadServer
+
+    side = _worker(LMCacheConnectorMetadata(requests=[]), StubEngine())
+    side.engine, side.kvcaches = engine, caches
+    server = ZMQOffloadServer(side.offload, "glue", 0, chunk_size=CHUNK, num_slots=32 * BLOCK,
+                              address=f"ipc://{tmp_path / 'offload'}")
+    return side, server
+
+
+def test_offload_from_another_process_is_found_by_the_prompt_and_loads_exact_bytes(tmp_path, closing):
+    """A separate process asks a live worker (a real engine over vLLM's CPU layout) to store slots
+    under the prompt's token-chain hashes in a namespace: a lookup by the prompt's token ids in that
+    namespace finds every chunk (and none in another), and a load gives back the slots' bytes."""
+    import subprocess
+    import sys
+
+    from lmcache_triton.kernels import paged_gather
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    engine = _real_engine(closing)
+    geo = dict(num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    src = make_kv_caches("vllm_cpu", generator=torch.Generator().manual_seed(3), **geo)
+    side, server = _offload_worker(engine, src, tmp_path)
+    try:
+        assert (os.stat(tmp_path / "offload").st_mode & 0o777) == 0o600, "other users cannot reach it"
+        n = 3 * CHUNK + 5
+        prompt = list(range(7000, 7000 + n))
+        slots = torch.randperm(32 * BLOCK, generator=torch.Generator().manual_seed(1))[:n]
+        out = subprocess.run([sys.executable, "-c", _OFFLOAD_CLIENT, server.address, str(CHUNK), json.dumps(prompt),
+                              json.dumps(slots.tolist()), "tenant"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        whole = 3 * CHUNK  # the partial last chunk is accepted, and kept only with save_unfull_chunk
+        assert json.loads(out.stdout) == {"ok": True, "stored": whole, "error": ""}
+    finally:
+        server.close()
+        side.saver.close(timeout=5)
+    assert engine.lookup(prompt, namespace="tenant") == whole, "the key contract: the prompt's own keys"
+    assert engine.lookup(prompt) == 0 and engine.lookup(prompt, namespace="other") == 0
+    dst = make_kv_caches("vllm_cpu", fill=0, **geo)
+    back = torch.randperm(32 * BLOCK, generator=torch.Generator().manual_seed(2))[:whole]
+    got = engine.retrieve(prompt[:whole], kvcaches=dst, slot_mapping=back, namespace="tenant")
+    assert int(got.sum()) == whole
+    assert torch.equal(paged_gather(dst, back, "vllm_cpu"), paged_gather(src, slots[:whole], "vllm_cpu"))
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"offsets": [CHUNK - 1, CHUNK]}, "offsets[0]"),
+    ({"offsets": [CHUNK]}, "2 hashes for 1 offsets"),
+    ({"slot_mapping": list(range(CHUNK + 1))}, "slot_mapping has 33 slots for 64 tokens"),
+    ({"slot_mapping": [32 * BLOCK] + list(range(2 * CHUNK - 1))}, "slot 512 is not a slot"),
+    ({"hashes": [b"short", b"x" * 16]}, "hashes[0] must be 16 bytes"),
+    ({"hashes": [True, 1]}, "hashes[0] is a bool"),
+    ({"namespace": 5}, "'namespace' must be a string"),
+    ({"hashes": None}, "'hashes' is missing"),
+], ids=["short-chunk", "offsets-count", "slot-count", "slot-range", "hash-size", "hash-bool", "namespace",
+        "no-hashes"])
+def test_offload_server_refuses_bad_requests_by_name_and_keeps_serving(tmp_path, closing, bad, says):
+    import zmq
+    import msgspec
+
+    from lmcache_triton.integration.vllm.offload_server import OffloadClient
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    engine = _real_engine(closing)
+    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    side, server = _offload_worker(engine, caches, tmp_path)
+    try:
+        good = {"hashes": [b"a" * 16, b"b" * 16], "slot_mapping": list(range(2 * CHUNK)),
+                "offsets": [CHUNK, CHUNK]}
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        replies = []
+        for frame in (msgspec.msgpack.encode(good | bad), b"\xc1 not msgpack"):
+            sock.send(frame)
+            assert sock.poll(10_000), "no reply: the server died"
+            replies.append(msgspec.msgpack.decode(sock.recv()))
+        sock.close(0)
+        assert [(r["success"], r["stored"]) for r in replies] == [(False, 0), (False, 0)]
+        assert says in replies[0]["error"] and "not a msgpack message" in replies[1]["error"]
+        client = OffloadClient("", address=server.address, timeout_s=10)
+        assert client.offload(good["hashes"], good["slot_mapping"], good["offsets"]), client.last_error
+        assert client.last_stored == 2 * CHUNK and engine.get_stats().stored_tokens == 2 * CHUNK
+    finally:
+        server.close()
+    assert server.failures == 2
+
+
+def test_offload_reply_names_the_field(tmp_path, closing):
+    from lmcache_triton.integration.vllm.offload_server import OffloadClient
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    engine = _real_engine(closing)
+    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    side, server = _offload_worker(engine, caches, tmp_path)
+    try:
+        client = OffloadClient("", address=server.address, timeout_s=10)
+        assert not client.offload([b"a" * 16, b"b" * 16], list(range(2 * CHUNK - 1)), [CHUNK - 1, CHUNK])
+        assert "offsets[0]" in client.last_error and "chunk_size=32" in client.last_error
+    finally:
+        server.close()

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,6 +65,44 @@ def test_async_saves_hold_blocks_only_until_stored(run_vllm, tiny_model, baselin
     assert first["tokens"] == again["tokens"] == baseline["P"] and second["tokens"] == baseline["Q"]
     assert again["cached"] == 512, "P's chunks were saved and load"
     assert [s["cached"] for s in middle] == [0] * 5
+
+
+def test_offload_server_of_a_live_worker_stores_what_a_later_request_finds(run_vllm, tiny_model, tmp_path):
+    """Another process (this one) asks the running worker's offload server to store 512 slots of
+    its paged cache under the token-chain hashes of a prompt vLLM has never seen: that prompt's
+    request then loads two whole chunks (its own keys), the same prompt in another namespace none.
+    The bytes are whatever the slots held: what is stored under a hash is the caller's word."""
+    import threading
+
+    from lmcache_triton.integration.vllm.offload_server import OffloadClient
+    from lmcache_triton.keys import TokenChain
+
+    never_seen = random_prompt(600, seed=77)
+    ready, go, engine_id = tmp_path / "ready", tmp_path / "go", f"offload-e2e-{os.getpid()}"
+    reply: dict = {}
+
+    def offload_when_ready() -> None:
+        t = time.monotonic()
+        while not ready.exists() and time.monotonic() - t < 240:
+            time.sleep(0.05)
+        client = OffloadClient(engine_id, 0, timeout_s=30)
+        hashes = TokenChain(256).chunk_hashes(never_seen[:512]).hashes
+        reply.update(ok=client.offload(hashes, list(range(512)), [256, 256]), error=client.last_error,
+                     stored=client.last_stored)
+        client.close()
+        go.touch()
+
+    helper = threading.Thread(target=offload_when_ready, daemon=True)
+    helper.start()
+    r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(enable_offload_server=True), "engine_id": engine_id,
+                            "steps": [{"prompt": P}, {"touch": str(ready)}, {"wait_file": str(go), "timeout": 120},
+                                      {"prompt": never_seen}, {"prompt": never_seen, "cache_salt": "tenant-b"}]})
+    helper.join(5)
+    assert reply == {"ok": True, "error": "", "stored": 512}, reply
+    first, _, waited, offloaded, other_ns = r["steps"]
+    assert waited["found"] and first["cached"] == 0
+    assert offloaded["cached"] == 512, "the offloaded chunks are found under the prompt's own keys"
+    assert other_ns["cached"] == 0, "and in its namespace only"
 
 
 def test_layerwise(run_vllm, tiny_model, baseline, tmp_path):

@@ -33,6 +33,7 @@ def fault_step(llm, step: dict) -> dict | None:
     """The fault-injection steps (tests/integration/test_faults_e2e.py); None for any other step.
     {"sigstop_pid": pid} | {"sigcont_pid": pid} | {"sleep": s} | {"truncate_files": [paths]}
     | {"list_dir": path, "min_files": n}: the chunk files there, once >= n exist (waits <= 10 s)
+    | {"touch": path} | {"wait_file": path, "timeout": s}: another process acts in between
     | {"abort_mid_load": {"prompt": [ids], "steps": n, "max_tokens": m}}: added with
       LLMEngine.add_request, n LLMEngine.step() calls, then abort_request."""
     t = time.perf_counter()
@@ -43,6 +44,13 @@ def fault_step(llm, step: dict) -> dict | None:
     if "sleep" in step:
         time.sleep(step["sleep"])
         return {"slept": step["sleep"]}
+    if "touch" in step:  # tells the test's other process where the run stands
+        Path(step["touch"]).touch()
+        return {"touched": step["touch"]}
+    if "wait_file" in step:  # ... and waits (bounded) for it to act
+        while not Path(step["wait_file"]).exists() and time.perf_counter() - t < step.get("timeout", 60):
+            time.sleep(0.05)
+        return {"waited": time.perf_counter() - t, "found": Path(step["wait_file"]).exists()}
     if "truncate_files" in step:
         for f in step["truncate_files"]:
             os.truncate(f, os.path.getsize(f) // 2)
@@ -80,7 +88,8 @@ def main() -> None:
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="LMCacheTritonConnectorV1", kv_role=spec.get("kv_role", "kv_both"),
-            kv_connector_extra_config=spec["connector"])
+            kv_connector_extra_config=spec["connector"],
+            **({"engine_id": spec["engine_id"]} if spec.get("engine_id") else {}))
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, disable_log_stats=False,

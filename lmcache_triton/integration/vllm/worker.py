@@ -32,6 +32,7 @@ from lmcache_triton.integration.vllm.saver import AsyncSaver
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
+from lmcache_triton.integration.vllm.offload_server import OffloadMsg, ZMQOffloadServer, new_job_id
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability import prometheus
 
@@ -80,6 +81,7 @@ class WorkerSide:
         self.kv_role = vllm_config.kv_transfer_config.kv_role
         self.engine: LMCacheEngine | None = None
         self.lookup_server: LMCacheAsyncLookupServer | None = None
+        self.offload_server: ZMQOffloadServer | None = None
         self.kvcaches: list[torch.Tensor] = []
         self.block_size = vllm_config.cache_config.block_size
         self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor]] = []
@@ -134,6 +136,9 @@ class WorkerSide:
         self.lookup_server = LMCacheAsyncLookupServer(
             self.engine, engine_id(self.vllm_config), rank,
             before_lookup=self.saver.flush if self.saver is not None else None)
+        if self.config.enable_offload_server:
+            self.offload_server = ZMQOffloadServer(self.offload, engine_id(self.vllm_config), rank, chunk_size=chunk,
+                                                   num_slots=geo.num_blocks * geo.block_size)
         logger.info("lmcache_triton worker ready: %d layers, layout %s, block_size %d", len(self.kvcaches), layout,
                     geo.block_size)
 
@@ -380,7 +385,31 @@ class WorkerSide:
         out, self.invalid_block_ids = self.invalid_block_ids, set()
         return out
 
+    # ---- the offload server ---------------------------------------------------------------------
+    def offload(self, msg: OffloadMsg) -> int:
+        """Stores the slots `msg` names under its chunk hashes (offload_server.py has the contract);
+        on the save thread where there is one, so the engine still sees one store at a time."""
+        if self.engine is None:
+            raise RuntimeError("the worker has not registered its KV caches yet")
+        n = sum(msg.offsets)
+        kw = dict(kvcaches=self.kvcaches, chunk_hashes=msg.chunk_hashes(self.config.chunk_size),
+                  slot_mapping=torch.tensor(msg.slot_mapping, dtype=torch.long, device=self.kvcaches[0].device),
+                  namespace=msg.namespace, adapter=msg.adapter)
+        if self.saver is None:
+            return self.engine.store(n, **kw)
+        done: dict[str, int] = {}
+        job = new_job_id()
+        self.saver.submit(job, lambda: done.setdefault("stored", self.engine.store(n, **kw)))
+        if not self.saver.wait([job], timeout=self.config.blocking_timeout_secs + 30):
+            raise TimeoutError("the store did not finish in time (the save thread is busy)")
+        if "stored" not in done:
+            raise RuntimeError("the store failed (the worker's log has why)")
+        return done["stored"]
+
     def close(self) -> None:
+        if self.offload_server is not None:
+            self.offload_server.close()
+            self.offload_server = None
         if self.saver is not None:
             self.saver.close(timeout=self.config.blocking_timeout_secs)
         if self.lookup_server is not None:
