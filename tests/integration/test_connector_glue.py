@@ -738,3 +738,28 @@ def test_offload_reply_names_the_field(tmp_path, closing):
         assert "offsets[0]" in client.last_error and "chunk_size=32" in client.last_error
     finally:
         server.close()
+
+
+def test_offload_request_larger_than_any_request_is_dropped_unread(tmp_path, closing):
+    """A 65 MiB frame (a payload that lies about being a request) is cut off by ZMQ before it is
+    allocated; the sender gets no reply, and the server goes on serving others."""
+    import zmq
+
+    from lmcache_triton.integration.vllm.offload_server import MAX_REQUEST_BYTES, OffloadClient
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    engine = _real_engine(closing)
+    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    side, server = _offload_worker(engine, caches, tmp_path)
+    try:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        sock.send(b"\x00" * (MAX_REQUEST_BYTES + (1 << 20)))
+        assert not sock.poll(1000), "a reply to a message the server should never have read"
+        sock.close(0)
+        client = OffloadClient("", address=server.address, timeout_s=10)
+        assert client.offload([b"a" * 16], list(range(CHUNK)), [CHUNK]), client.last_error
+    finally:
+        server.close()
+    assert server.requests == 1

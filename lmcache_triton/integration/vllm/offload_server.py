@@ -39,6 +39,7 @@ from lmcache_triton.keys import ChunkHashes
 logger = logging.getLogger("lmcache_triton")
 
 HASH_BYTES = 16
+MAX_REQUEST_BYTES = 64 << 20
 
 
 def socket_path(engine_id: str, rank: int) -> str:
@@ -133,6 +134,9 @@ class ZMQOffloadServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # ZMQ drops a larger message before it is allocated: a request names at most a few million
+        # slots (~9 bytes each in msgpack), so a bigger one is not a request
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._sock.bind(self.address)
         if self.address.startswith("ipc://"):
             os.chmod(self.address[len("ipc://"):], 0o600)  # other users may not choose what is stored
