@@ -4,7 +4,8 @@ A remote that is down, slow, or returns garbage costs misses and failed puts, ne
 or a hang in vLLM:
 - every call is bounded by `timeout_s` (config `blocking_timeout_secs`), and waiting for a
   connection by min(timeout_s, 1 s), so a remote that is not there costs at most 1 s, not 10,
-  and a host that refuses the port (the server process is gone) costs a TCP round trip;
+  and a host that refuses the port (the server process is gone) costs a TCP round trip (lm://: a
+  server that dies while a request waits for its reply costs ~50 ms, not the timeout);
 - after an I/O failure the backend stops trying for a short, growing back-off (0.1 s doubling to
   2 s), so a dead remote costs one timeout, then instant misses, until it answers again;
 - what the remote returns is checked (serde checksums, key, and the engine's shape when metadata is
