@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from typing import Any
 
 from lmcache_triton.config import LMCacheEngineConfig, connector_overrides
@@ -65,3 +67,10 @@ def kv_identity(vllm_config: Any, block_format: str) -> str:
         "blocks": block_format,
     }
     return ";".join(f"{k}={v!r}" for k, v in parts.items() if v not in (None, "", {}, "auto"))
+
+
+def ipc_path(kind: str, engine_id: str, rank: int) -> str:
+    """The IPC endpoint of one worker rank's `kind` server ("lookup", "offload"), named per vLLM
+    engine id and rank, so two vLLM instances on one host never answer each other."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:80]
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'lmct-{kind}-{safe}-{rank}')}"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from lmcache_triton.integration.vllm.common import ipc_path
 from lmcache_triton.keys import ChunkHashes
 
 logger = logging.getLogger("lmcache_triton")
@@ -43,8 +43,7 @@ MAX_REQUEST_BYTES = 64 << 20
 
 
 def socket_path(engine_id: str, rank: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:80]
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'lmct-offload-{safe}-{rank}')}"
+    return ipc_path("offload", engine_id, rank)
 
 
 class OffloadError(ValueError):

@@ -17,12 +17,11 @@ and rank, so two vLLM instances on one host never answer each other.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
+from lmcache_triton.integration.vllm.common import ipc_path
 from lmcache_triton.keys import ChunkHashes, MMSpan
 
 VERSION = 3  # v3: chunk hashes instead of token ids; v2 sent the ids
@@ -30,8 +29,7 @@ HASH_BYTES = 16
 
 
 def socket_path(engine_id: str, rank: int) -> str:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:80]
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'lmct-lookup-{safe}-{rank}')}"
+    return ipc_path("lookup", engine_id, rank)
 
 
 @dataclass
