@@ -141,6 +141,8 @@ class _KeyedDatabase:
     # prompt's lookup, then its load; a system prompt in every request), and a cached key costs a
     # dict read where making one costs a hash and a tuple. Bounded: emptied when it holds this many.
     KEY_CACHE_SIZE = 1 << 16
+    FACTORY_CACHE_SIZE = 1 << 10  # scopes (namespaces x adapters) whose key factory is kept
+    _factories: dict[tuple[str, str], Callable[[bytes], CacheEngineKey]] | None = None
     _key_cache: dict[tuple[str, str], dict[bytes, CacheEngineKey]] | None = None
     _key_cache_len = 0
 
@@ -148,7 +150,13 @@ class _KeyedDatabase:
         """Span hash (scope-free) -> key: the namespace digest and identity folded into the hash
         (`keys.scoped_hash`) and named in the key."""
         ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
-        factory = key_factory(self.metadata, self.fmt, ns_hex, identity)
+        # a factory per scope, made once (making one took 15 us: most of keying a lookup's
+        # whole-chunk hashes, once the keys themselves come from the cache below)
+        if self._factories is None or len(self._factories) > self.FACTORY_CACHE_SIZE:
+            self._factories = {}
+        factory = self._factories.get((ns_hex, identity))
+        if factory is None:
+            factory = self._factories[(ns_hex, identity)] = key_factory(self.metadata, self.fmt, ns_hex, identity)
         if self._key_cache is None:
             self._key_cache = {}
         cached = self._key_cache.setdefault((ns_hex, identity), {})

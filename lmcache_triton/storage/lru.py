@@ -4,7 +4,7 @@ their entries in an `LRU`, and evict with its `evict` or `pop_lru`."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -27,6 +27,15 @@ class LRU(Generic[K, V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
+
+    def count_prefix(self, keys: Iterable[object]) -> int:
+        """How many of `keys`, from the first, are present."""
+        items, n = self._items, 0
+        for key in keys:
+            if key not in items:
+                break
+            n += 1
+        return n
 
     def __iter__(self) -> Iterator[K]:
         """Keys, least recently used first."""

@@ -152,18 +152,16 @@ class StorageManager:
         With `held` (a list), every counted chunk is held in the CPU tier (lower-tier hits are
         promoted into it first, the prefetch path) and appended to it as (key, obj) as soon as it
         is: the caller `release`s each. The first missing key's reason is noted for the metrics."""
-        n = 0
-        for key in keys:
-            if held is None:
-                hit = self.cpu.contains(key)
-            else:
+        if held is None:
+            n = self.cpu.count_prefix(keys)
+        else:
+            n = 0
+            for key in keys:
                 obj = self.cpu.get(key)
-                hit = obj is not None
-                if hit:
-                    held.append((key, obj))
-            if not hit:
-                break
-            n += 1
+                if obj is None:
+                    break
+                held.append((key, obj))
+                n += 1
         if n == len(keys) or not self.tiers:
             return n
         rest = keys[n:]

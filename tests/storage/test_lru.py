@@ -47,3 +47,11 @@ def test_evict_skips_held_and_evicts_nothing_when_it_cannot_make_room() -> None:
     # 'a' is held: even evicting 'c' leaves 10 + 25 > 30, so nothing goes
     assert lru.evict(30, incoming=25, held=held) is None and list(lru) == ["a", "c"] and lru.used_bytes == 20
     assert lru.evict(5, incoming=0) == [("a", "A"), ("c", "C")]
+
+
+def test_count_prefix_stops_at_the_first_missing_key():
+    lru = LRU()
+    for k in "abc":
+        lru.put(k, k, 1)
+    assert lru.count_prefix("abcd") == 3 and lru.count_prefix("abxc") == 2 and lru.count_prefix("xa") == 0
+    assert lru.count_prefix([]) == 0
