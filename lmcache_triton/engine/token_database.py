@@ -137,29 +137,26 @@ class _KeyedDatabase:
         return (namespace_digest(namespace, self.namespace_secret),
                 identity_digest(self.metadata.kv_identity, adapter))
 
-    # Keys made lately, per scope and span hash: the same chunks are keyed again and again (a
-    # prompt's lookup, then its load; a system prompt in every request), and a cached key costs a
-    # dict read where making one costs a hash and a tuple. Bounded: emptied when it holds this many.
+    # Per scope (namespace digest, identity): its key factory (making one takes ~15 us) and the
+    # keys it made lately, per span hash: the same chunks are keyed again and again (a prompt's
+    # lookup, then its load; a system prompt in every request), and a cached key costs a dict read
+    # where making one costs a hash and a tuple. Bounded: emptied when it holds this many keys or
+    # scopes.
     KEY_CACHE_SIZE = 1 << 16
-    FACTORY_CACHE_SIZE = 1 << 10  # scopes (namespaces x adapters) whose key factory is kept
-    _factories: dict[tuple[str, str], Callable[[bytes], CacheEngineKey]] | None = None
-    _key_cache: dict[tuple[str, str], dict[bytes, CacheEngineKey]] | None = None
+    SCOPE_CACHE_SIZE = 1 << 10
+    _scopes: dict[tuple[str, str], tuple[Callable[[bytes], CacheEngineKey], dict[bytes, CacheEngineKey]]] | None = None
     _key_cache_len = 0
 
     def scoped_keys(self, scope: KeyScope) -> Callable[[bytes], CacheEngineKey]:
         """Span hash (scope-free) -> key: the namespace digest and identity folded into the hash
         (`keys.scoped_hash`) and named in the key."""
         ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
-        # a factory per scope, made once (making one took 15 us: most of keying a lookup's
-        # whole-chunk hashes, once the keys themselves come from the cache below)
-        if self._factories is None or len(self._factories) > self.FACTORY_CACHE_SIZE:
-            self._factories = {}
-        factory = self._factories.get((ns_hex, identity))
-        if factory is None:
-            factory = self._factories[(ns_hex, identity)] = key_factory(self.metadata, self.fmt, ns_hex, identity)
-        if self._key_cache is None:
-            self._key_cache = {}
-        cached = self._key_cache.setdefault((ns_hex, identity), {})
+        if self._scopes is None or len(self._scopes) > self.SCOPE_CACHE_SIZE:
+            self._scopes, self._key_cache_len = {}, 0
+        entry = self._scopes.get((ns_hex, identity))
+        if entry is None:
+            entry = self._scopes[(ns_hex, identity)] = (key_factory(self.metadata, self.fmt, ns_hex, identity), {})
+        factory, cached = entry
 
         def make(span_hash: bytes) -> CacheEngineKey:
             key = cached.get(span_hash)
@@ -167,7 +164,7 @@ class _KeyedDatabase:
                 key = cached[span_hash] = factory(span_hash)
                 self._key_cache_len += 1
                 if self._key_cache_len > self.KEY_CACHE_SIZE:  # other threads may still fill an emptied one
-                    self._key_cache, self._key_cache_len = {}, 0
+                    self._scopes, self._key_cache_len = {}, 0
             return key
 
         return make

@@ -113,13 +113,12 @@ class RedisClusterBackend(RemoteChunkBackend):
             with self._node_lock:
                 self._down.pop(node, None)
 
-    def _on_node(self, key: str, op: Callable[[], T]) -> T:
-        """`op` on the master owning `key`, unless that master is backing off; a failure backs it
-        off and raises NodeDown (a miss there, counted, while the other masters carry on)."""
+    def _on_node(self, node: str, op: Callable[[], T]) -> T:
+        """`op` on master `node` (`_node_of` a key), unless that master is backing off; a failure
+        backs it off and raises NodeDown (a miss there, counted, while the other masters carry on)."""
         from redis.exceptions import ConnectionError as RedisConnectionError, RedisClusterException, \
             TimeoutError as RedisTimeoutError
 
-        node = self._node_of(key)
         if self._skip(node):
             raise NodeDown(f"master {node} is backing off after a failure", skipped=True)
         try:
@@ -135,16 +134,17 @@ class RedisClusterBackend(RemoteChunkBackend):
         return self.prefix + key
 
     def _put_bytes(self, key: str, data: bytes) -> None:
-        self._on_node(key, lambda: self._cluster().set(self._k(key), data))
+        self._on_node(self._node_of(key), lambda: self._cluster().set(self._k(key), data))
 
     def _exists_before_put(self, key: str) -> list[bool]:
-        return [bool(self._on_node(key, lambda: self._cluster().exists(self._k(key))))]
+        return [bool(self._on_node(self._node_of(key), lambda: self._cluster().exists(self._k(key))))]
 
     def _get_bytes(self, key: str) -> bytes | None:
         k = self._k(key)
 
         def read(a, b):
-            return self._on_node(key, lambda: self._cluster().get(k) if a is None else self._cluster().getrange(k, a, b))
+            return self._on_node(self._node_of(key),
+                                 lambda: self._cluster().get(k) if a is None else self._cluster().getrange(k, a, b))
 
         return bounded_get(read, key, self._max_value_bytes)
 
@@ -156,7 +156,7 @@ class RedisClusterBackend(RemoteChunkBackend):
         found = [False] * len(keys)
         for node, idx in by_node.items():
             try:
-                answers = self._on_node(keys[idx[0]], lambda: self._exists_on_one_master(keys, idx))
+                answers = self._on_node(node, lambda: self._exists_on_one_master(keys, idx))
             except NodeDown as e:
                 self._count("skipped_unavailable" if e.skipped else "errors")
                 continue
@@ -171,7 +171,7 @@ class RedisClusterBackend(RemoteChunkBackend):
         return pipe.execute()
 
     def _delete(self, key: str) -> bool:
-        return bool(self._on_node(key, lambda: self._cluster().delete(self._k(key))))
+        return bool(self._on_node(self._node_of(key), lambda: self._cluster().delete(self._k(key))))
 
     def _close(self) -> None:
         if self._client is not None:

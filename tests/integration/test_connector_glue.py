@@ -763,3 +763,21 @@ def test_offload_request_larger_than_any_request_is_dropped_unread(tmp_path, clo
     finally:
         server.close()
     assert server.requests == 1
+
+
+def test_offload_store_that_fails_is_a_refusal_with_the_reason_not_a_dead_server(tmp_path, closing):
+    from lmcache_triton.integration.vllm.offload_server import OffloadClient
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    engine = _real_engine(closing)
+    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    side, server = _offload_worker(engine, caches, tmp_path)
+    try:
+        client = OffloadClient("", address=server.address, timeout_s=10)
+        side.engine = None  # a worker not (or no longer) registered: the store raises
+        assert not client.offload([b"a" * 16], list(range(CHUNK)), [CHUNK])
+        assert client.last_error.startswith("store failed: RuntimeError") and "registered" in client.last_error
+        side.engine = engine
+        assert client.offload([b"a" * 16], list(range(CHUNK)), [CHUNK]), client.last_error
+    finally:
+        server.close()

@@ -28,7 +28,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -57,7 +57,6 @@ class OffloadMsg:
     offsets: list[int]
     namespace: str = ""
     adapter: str = ""
-    extra: dict = field(default_factory=dict)
 
     def chunk_hashes(self, chunk_size: int) -> ChunkHashes:
         return ChunkHashes(0, tuple(self.hashes), sum(self.offsets), chunk_size)
