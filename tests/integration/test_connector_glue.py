@@ -646,6 +646,15 @@ def _offload_worker(engine, caches, tmp_path):
     return side, server
 
 
+def _offload_setup(tmp_path, closing):
+    """A real engine, vLLM's CPU layout of 32 blocks, a worker and its offload server."""
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    engine = _real_engine(closing)
+    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
+    return (engine, *_offload_worker(engine, caches, tmp_path))
+
+
 def test_offload_from_another_process_is_found_by_the_prompt_and_loads_exact_bytes(tmp_path, closing):
     """A separate process asks a live worker (a real engine over vLLM's CPU layout) to store slots
     under the prompt's token-chain hashes in a namespace: a lookup by the prompt's token ids in that
@@ -698,11 +707,7 @@ def test_offload_server_refuses_bad_requests_by_name_and_keeps_serving(tmp_path,
     import msgspec
 
     from lmcache_triton.integration.vllm.offload_server import OffloadClient
-    from lmcache_triton.tools.testing import make_kv_caches
-
-    engine = _real_engine(closing)
-    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
-    side, server = _offload_worker(engine, caches, tmp_path)
+    engine, side, server = _offload_setup(tmp_path, closing)
     try:
         good = {"hashes": [b"a" * 16, b"b" * 16], "slot_mapping": list(range(2 * CHUNK)),
                 "offsets": [CHUNK, CHUNK]}
@@ -727,11 +732,7 @@ def test_offload_server_refuses_bad_requests_by_name_and_keeps_serving(tmp_path,
 
 def test_offload_reply_names_the_field(tmp_path, closing):
     from lmcache_triton.integration.vllm.offload_server import OffloadClient
-    from lmcache_triton.tools.testing import make_kv_caches
-
-    engine = _real_engine(closing)
-    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
-    side, server = _offload_worker(engine, caches, tmp_path)
+    engine, side, server = _offload_setup(tmp_path, closing)
     try:
         client = OffloadClient("", address=server.address, timeout_s=10)
         assert not client.offload([b"a" * 16, b"b" * 16], list(range(2 * CHUNK - 1)), [CHUNK - 1, CHUNK])
@@ -746,11 +747,7 @@ def test_offload_request_larger_than_any_request_is_dropped_unread(tmp_path, clo
     import zmq
 
     from lmcache_triton.integration.vllm.offload_server import MAX_REQUEST_BYTES, OffloadClient
-    from lmcache_triton.tools.testing import make_kv_caches
-
-    engine = _real_engine(closing)
-    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
-    side, server = _offload_worker(engine, caches, tmp_path)
+    engine, side, server = _offload_setup(tmp_path, closing)
     try:
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
@@ -767,11 +764,7 @@ def test_offload_request_larger_than_any_request_is_dropped_unread(tmp_path, clo
 
 def test_offload_store_that_fails_is_a_refusal_with_the_reason_not_a_dead_server(tmp_path, closing):
     from lmcache_triton.integration.vllm.offload_server import OffloadClient
-    from lmcache_triton.tools.testing import make_kv_caches
-
-    engine = _real_engine(closing)
-    caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=32, block_size=BLOCK, num_kv_heads=2, head_size=16)
-    side, server = _offload_worker(engine, caches, tmp_path)
+    engine, side, server = _offload_setup(tmp_path, closing)
     try:
         client = OffloadClient("", address=server.address, timeout_s=10)
         side.engine = None  # a worker not (or no longer) registered: the store raises
