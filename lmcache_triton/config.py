@@ -318,6 +318,22 @@ class LMCacheEngineConfig:
                                         "on its own.", ge=0)
     blend_special_str: str = option(" # # ", "CacheBlend: the text that separates a prompt's segments.")
     save_decode_cache: bool = option(False, "Also store the KV of generated tokens.")
+    enable_pd: bool = option(
+        False, "Prefill/decode disaggregation: a sender (prefill instance) sends each prompt's chunks to "
+        "the receiver (decode instance) that a request's kv_transfer_params.disagg_spec names; needs "
+        "pd_role. Both sides save the prompt's partial last chunk (save_unfull_chunk defaults to true).")
+    pd_role: str | None = option(None, "With enable_pd: 'sender' (the prefill instance, kv_role kv_producer) "
+                                       "or 'receiver' (the decode instance, kv_role kv_consumer).",
+                                 choices=("sender", "receiver"))
+    pd_peer_host: str | None = option(
+        None, "PD receiver: the address its transfer listener binds (one per worker rank).",
+        check=lambda v: "must not be empty" if not v.strip() else None, accepted="a host name or address")
+    pd_peer_init_port: tuple[int, ...] | None = option(
+        None, "PD receiver: the TCP port of each worker rank's listener (one port per rank; a single "
+        "port P means P + rank). The proxy tells the sender the same ports.", ge=1, le=65535, nonempty=True)
+    pd_buffer_size: int | None = option(
+        None, "PD receiver: bytes of received chunks it holds (its CPU tier's size; None: "
+        "max_local_cpu_size). When full the least recently used unheld chunks make room.", gt=0)
     enable_offload_server: bool = option(
         False, "Each worker rank serves offload requests (store these slots under these chunk hashes) on an "
         "owner-only IPC socket; whoever reaches it decides what is stored under which hash.")
@@ -356,7 +372,8 @@ class LMCacheEngineConfig:
         # resolves it anew rather than carrying the value picked here.
         unset = frozenset({"save_unfull_chunk"} if self.save_unfull_chunk is None else ())
         if unset:
-            object.__setattr__(self, "save_unfull_chunk", self.enable_blending)
+            # PD: the decoder then loads all but the prompt's last token (LMCache's PD configs set it)
+            object.__setattr__(self, "save_unfull_chunk", self.enable_blending or self.enable_pd)
         object.__setattr__(self, "_unset", unset)
         self.validate()
         if unset and self.enable_blending:
@@ -383,6 +400,17 @@ class LMCacheEngineConfig:
                 "(CacheBlend recomputes layer by layer; LMCache too blends only on its "
                 "layerwise path): add use_layerwise: true (LMCACHE_USE_LAYERWISE=true)"
             )
+        if self.enable_pd:
+            if self.pd_role is None:
+                raise ConfigError("'enable_pd' = True needs 'pd_role': 'sender' (the prefill instance) or "
+                                  "'receiver' (the decode instance)")
+            if self.pd_role == "receiver" and (self.pd_peer_host is None or self.pd_peer_init_port is None):
+                raise ConfigError(
+                    "'pd_role' = 'receiver' needs 'pd_peer_host' (the address its listener binds) and "
+                    "'pd_peer_init_port' (one port per worker rank, or a base port: base + rank)")
+            if self.use_layerwise or self.enable_blending:
+                raise ConfigError("'enable_pd' = True does not work with use_layerwise or enable_blending here: "
+                                  "prefill/decode disaggregation moves whole chunks of a prefix")
         if self.enable_blending and not self.save_unfull_chunk:
             # Not turned on silently (LMCache does): false was asked for, and the config must either
             # be what was asked for or fail. Left unset, it is true with blending (__post_init__).
@@ -485,6 +513,21 @@ class LMCacheEngineConfig:
     def __repr__(self) -> str:  # every field, secrets redacted (remote_url's password too)
         shown = ", ".join(f"{name}={f.shown(getattr(self, name))!r}" for name, f in _FIELDS.items())
         return f"{type(self).__name__}({shown})"
+
+    @property
+    def pd_receiver(self) -> bool:
+        return self.enable_pd and self.pd_role == "receiver"
+
+    @property
+    def pd_sender(self) -> bool:
+        return self.enable_pd and self.pd_role == "sender"
+
+    @property
+    def cpu_tier_bytes(self) -> int:
+        """The CPU tier's size: a PD receiver's is its receive buffer, pd_buffer_size when given."""
+        if self.pd_receiver and self.pd_buffer_size is not None:
+            return self.pd_buffer_size
+        return int(self.max_local_cpu_size * (1 << 30))
 
     def get_extra_config_value(self, key: str, default: Any = None) -> Any:
         """``extra_config[key]``, or ``default`` (LMCache has the same helper)."""
@@ -728,7 +771,14 @@ class _Compat:
     convert: Any = None
 
 
-_PD = "prefill/decode disaggregation is not implemented here (issue #15)"
+_PD_CHANNEL = "the PD transport here is pyzmq over TCP (NIXL is not offered)"
+_PD_DEVICE = "the PD receive buffer here is the receiver's CPU tier (pd_buffer_size sets its size)"
+_PD_ALLOC = ("a PD transfer here is one message per chunk to pd_peer_init_port (the receiver allocates as it "
+             "receives): there is no separate allocation port")
+_PD_PROXY = ("the PD sender here finishes each transfer before the prefill's reply, so the proxy needs no "
+             "notification")
+_PD_KNOB = "this LMCache PD tuning knob has no counterpart here"
+_PD_OLD = "LMCache's older NIXL disaggregation names: use enable_pd, pd_role, pd_peer_host, pd_peer_init_port"
 _P2P = "peer-to-peer sharing between instances is not implemented here (share a remote_url store instead)"
 _CONTROLLER = "LMCache's cache controller and its workers are not implemented here"
 _PLUGINS = "LMCache plugins and extra storage backends do not load here"
@@ -808,14 +858,20 @@ _LMCACHE_NAMES: dict[str, _Compat] = {
     "remote_config_url": _Compat("reject", "fetching configuration from a remote service is not "
                                  "supported here; put its settings in the config file", default=None),
     "app_id": _ignore("remote configuration (remote_config_url) is not supported here"),
-    # Prefill/decode disaggregation, and its older nixl_* / xpyd names.
-    **{k: _ignore(_PD, d) for k, d in {
-        "enable_pd": False, "pd_role": None, "pd_buffer_size": None, "pd_buffer_device": None,
-        "pd_peer_host": None, "pd_peer_init_port": None, "pd_peer_alloc_port": None,
-        "pd_peer_query_port": None, "pd_proxy_host": None, "pd_proxy_port": None,
-        "pd_allocation_timeout_sec": float("inf"), "pd_shutdown_timeout_sec": 5.0,
+    # Prefill/decode disaggregation: the names here that differ (enable_pd, pd_role, pd_peer_host,
+    # pd_peer_init_port and pd_buffer_size are fields), and the older nixl_* / xpyd names.
+    "transfer_channel": _ignore(_PD_CHANNEL, "zmq"),
+    "pd_buffer_device": _ignore(_PD_DEVICE, "cpu"),
+    "pd_peer_alloc_port": _ignore(_PD_ALLOC, None),
+    "pd_proxy_host": _ignore(_PD_PROXY, None),
+    "pd_proxy_port": _ignore(_PD_PROXY, None),
+    "pd_skip_proxy_notification": _ignore(_PD_PROXY, False),
+    **{k: _ignore(_PD_KNOB, d) for k, d in {
+        "pd_peer_query_port": None, "pd_allocation_timeout_sec": float("inf"), "pd_shutdown_timeout_sec": 5.0,
         "pd_condition_poll_interval_sec": 0.005, "pd_max_prefill_len": 0, "pd_backend_mode": "async",
-        "pd_skip_proxy_notification": False, "pd_bidirectional": False, "transfer_channel": None,
+        "pd_bidirectional": False,
+    }.items()},
+    **{k: _ignore(_PD_OLD, d) for k, d in {
         "nixl_backends": None, "nixl_buffer_size": None, "nixl_buffer_device": None,
         "enable_xpyd": False, "enable_nixl": False, "nixl_role": None, "nixl_receiver_host": None,
         "nixl_receiver_port": None, "nixl_peer_port": None, "nixl_enable_gc": False,
@@ -916,7 +972,9 @@ _CONNECTOR_KEYS: dict[str, _Compat] = {
         convert=_discard_partial),
     "lmcache_rpc_port": _ignore(
         "not needed: lookup sockets here are named by vLLM's engine_id, unique per instance", 0),
-    "skip_last_n_tokens": _ignore("skipping prompt tokens at lookup is for PD decoders (issue #15)", 0),
+    "skip_last_n_tokens": _ignore("LMCache's PD proxy appends the prefill's token to the decoder's prompt; "
+                                  "`lmcache-triton proxy` sends the prompt unchanged, so no token is skipped "
+                                  "at lookup", 0),
     "use_native": _ignore("it picks vLLM's copy of LMCache's connector, not this one", False),
 }
 

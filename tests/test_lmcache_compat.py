@@ -84,7 +84,10 @@ def test_every_lmcache_name_has_a_fate():
 
 # ------------------------------------------------------------------ LMCache's published configs
 
-PD = "prefill/decode disaggregation is not implemented here (issue #15)"
+PD_CHANNEL = "the PD transport here is pyzmq over TCP"
+PD_PROXY = "the proxy needs no notification"
+PD_DEVICE = "the PD receive buffer here is the receiver's CPU tier"
+PD_OLD = "LMCache's older NIXL disaggregation names"
 P2P = "peer-to-peer sharing"
 CONTROLLER = "cache controller"
 
@@ -97,18 +100,20 @@ CONTROLLER = "cache controller"
               blend_special_str=" # # ", save_unfull_chunk=True, blend_recompute_ratios=(0.15,)),
          {"save_unfull_chunk=True because enable_blending"}),
         ("disagg_1p1d_prefiller.yaml",
-         dict(local_cpu=False, save_unfull_chunk=True),
-         {f"{PD}; ignoring {k}" for k in ("enable_pd", "transfer_channel", "pd_role", "pd_proxy_host",
-                                         "pd_proxy_port", "pd_buffer_size", "pd_buffer_device",
-                                         "nixl_backends")}),
-        ("disagg_xpyd_decoder_1.yaml",
-         dict(local_cpu=False, max_local_cpu_size=0.0),
-         {f"{PD}; ignoring {k}" for k in ("enable_pd", "pd_role", "pd_peer_host", "pd_peer_init_port",
-                                         "pd_peer_alloc_port", "pd_buffer_size", "pd_buffer_device")}),
+         dict(local_cpu=False, save_unfull_chunk=True, enable_pd=True, pd_role="sender", pd_buffer_size=1 << 30),
+         {f"{PD_CHANNEL} (NIXL is not offered); ignoring transfer_channel", f"{PD_PROXY}; ignoring pd_proxy_host",
+          f"{PD_PROXY}; ignoring pd_proxy_port", f"{PD_DEVICE} (pd_buffer_size sets its size); ignoring pd_buffer_device",
+          f"{PD_OLD}", "ignoring nixl_backends"}),
+        ("disagg_xpyd_decoder_1.yaml",  # a receiver's CPU tier is its receive buffer: 2 GB, whatever max_local_cpu_size
+         dict(local_cpu=False, max_local_cpu_size=0.0, enable_pd=True, pd_role="receiver", pd_peer_host="localhost",
+              pd_peer_init_port=(7300,), pd_buffer_size=2 << 30, cpu_tier_bytes=2 << 30, save_unfull_chunk=True),
+         {"ignoring transfer_channel", "no separate allocation port; ignoring pd_peer_alloc_port",
+          "ignoring pd_buffer_device"}),
         ("disagg_1p1d_decoder_nixl.yaml",  # the older nixl_* names; remote_serde: NULL is the default
          dict(local_cpu=False, max_local_cpu_size=0.0, max_local_disk_size=0.0, remote_serde="naive"),
-         {f"{PD}; ignoring {k}" for k in ("enable_nixl", "nixl_role", "nixl_receiver_host",
-                                         "nixl_receiver_port", "nixl_enable_gc", "nixl_backends")}),
+         {f"{PD_OLD}: use enable_pd, pd_role, pd_peer_host, pd_peer_init_port; ignoring {k}"
+          for k in ("enable_nixl", "nixl_role", "nixl_receiver_host", "nixl_receiver_port", "nixl_enable_gc",
+                    "nixl_backends")}),
         ("ci_local_disk.yaml",
          dict(local_cpu=False, local_disk="/local/end-to-end-tests/local/", max_local_disk_size=5.0),
          set()),
@@ -204,8 +209,9 @@ def ci_setup(name, docker="docker", vllm="vllm"):
     return env, ktc.get("kv_connector_extra_config", {})
 
 
-def load_ci(caplog, name, **kw):
+def load_ci(caplog, name, extra_env=None, **kw):
     env, extra = ci_setup(name, **kw)
+    env = {**env, **(extra_env or {})}
     with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
         return LMCacheEngineConfig.load(connector_overrides(extra), environ=env)
 
@@ -233,12 +239,22 @@ def test_ci_async_disk(caplog):
 
 @pytest.mark.parametrize("side", ["prefiller", "decoder"])
 def test_ci_pd_env_and_connector_keys_warned(caplog, side):
-    c = load_ci(caplog, "ci_pd.yaml", docker=f"docker-{side}", vllm=f"vllm-{side}")
-    assert c.local_cpu is False
+    if side == "decoder":  # LMCache's harness passes the ports on its command line, not in the environment
+        with pytest.raises(ConfigError, match="'pd_role' = 'receiver' needs 'pd_peer_host'.*'pd_peer_init_port'"):
+            load_ci(caplog, "ci_pd.yaml", docker=f"docker-{side}", vllm=f"vllm-{side}")
+        caplog.clear()
+        config_mod.reset_warnings()
+        c = load_ci(caplog, "ci_pd.yaml", docker=f"docker-{side}", vllm=f"vllm-{side}",
+                    extra_env={"LMCACHE_PD_PEER_INIT_PORT": "7300"})
+        assert (c.pd_role, c.pd_peer_host, c.pd_peer_init_port, c.cpu_tier_bytes) == ("receiver", "localhost",
+                                                                                       (7300,), 2 << 30)
+    else:
+        c = load_ci(caplog, "ci_pd.yaml", docker=f"docker-{side}", vllm=f"vllm-{side}")
+        assert c.pd_sender and c.pd_buffer_size == 1 << 30
+    assert c.local_cpu is False and c.enable_pd and c.save_unfull_chunk
     got = warnings_of(caplog)
-    for var in ("LMCACHE_ENABLE_PD", "LMCACHE_PD_ROLE", "LMCACHE_TRANSFER_CHANNEL",
-                "LMCACHE_PD_BUFFER_SIZE", "LMCACHE_PD_BUFFER_DEVICE"):
-        assert any(m == f"{PD}; ignoring {var}" for m in got), (var, got)
+    for var, why in (("LMCACHE_TRANSFER_CHANNEL", PD_CHANNEL), ("LMCACHE_PD_BUFFER_DEVICE", PD_DEVICE)):
+        assert any(m.startswith(why) and m.endswith(f"ignoring {var}") for m in got), (var, got)
     assert any("lmcache_rpc_port" in m and "engine_id" in m for m in got)
     assert any("skip_last_n_tokens" in m for m in got) == (side == "decoder")
     assert not any("discard_partial_chunks" in m for m in got)  # false: LMCache's default, no effect
@@ -255,8 +271,9 @@ def test_env_pd_variables_warned_once_not_errors(caplog):
         first = warnings_of(caplog)
         LMCacheEngineConfig.load(environ=env)
     assert c.chunk_size == 512
-    assert sorted(first) == sorted(f"{PD}; ignoring {v}" for v in
-                                   ("LMCACHE_ENABLE_PD", "LMCACHE_PD_ROLE", "LMCACHE_PD_PROXY_PORT"))
+    assert c.pd_sender, "LMCache's PD names are fields here"
+    assert len(first) == 1 and first[0].startswith("the PD sender here finishes each transfer") and \
+        first[0].endswith("ignoring LMCACHE_PD_PROXY_PORT")
     assert warnings_of(caplog) == first  # once per name per process
 
 
@@ -336,8 +353,8 @@ def test_unknown_env_still_only_warned(caplog):
 
 def test_python_api_stays_strict():
     """from_defaults / from_dict take this project's field names only."""
-    with pytest.raises(ConfigError, match="unknown config key 'enable_pd'"):
-        LMCacheEngineConfig.from_defaults(enable_pd=True)
+    with pytest.raises(ConfigError, match="unknown config key 'enable_p2p'"):
+        LMCacheEngineConfig.from_defaults(enable_p2p=True)
     with pytest.raises(ConfigError, match="cachegen codec is not implemented"):
         LMCacheEngineConfig.from_defaults(remote_serde="cachegen")
 
@@ -355,7 +372,7 @@ def test_redact_extra_config_secrets():
 
 def test_connector_keys(caplog):
     with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
-        out = connector_overrides({"lmcache.chunk_size": 512, "lmcache.enable_pd": True,
+        out = connector_overrides({"lmcache.chunk_size": 512, "lmcache.enable_p2p": True,
                                    "discard_partial_chunks": True, "lmcache_rpc_port": "producer1",
                                    "skip_last_n_tokens": 1, "use_native": True, "max_local_cpu_size": 2,
                                    "something_else": 1})
@@ -364,7 +381,7 @@ def test_connector_keys(caplog):
     assert len(got) == 7, got
     expect = ["discard_partial_chunks (kv_connector_extra_config)", "save_unfull_chunk=False",
               "ignoring lmcache_rpc_port", "ignoring skip_last_n_tokens", "ignoring use_native",
-              f"{PD}; ignoring enable_pd", "'max_local_cpu_size': config keys need the 'lmcache.' prefix",
+              "peer-to-peer sharing between instances is not implemented here", "ignoring enable_p2p", "'max_local_cpu_size': config keys need the 'lmcache.' prefix",
               "'something_else': neither LMCache's connector nor this one reads it"]
     for e in expect:
         assert any(e in m for m in got), (e, got)
@@ -391,7 +408,7 @@ def test_resolve_config_stub_vllm(caplog, monkeypatch):
     from lmcache_triton.integration.vllm import common
 
     monkeypatch.setattr(common, "cpu_blocks_opaque", lambda: False)
-    monkeypatch.setenv("LMCACHE_PD_ROLE", "receiver")
+    monkeypatch.setenv("LMCACHE_PD_PROXY_HOST", "localhost")
     monkeypatch.setenv("LMCACHE_SAVE_UNFULL_CHUNK", "true")
     extra = {"lmcache.chunk_size": 128, "lmcache.blend_recompute_ratio": 15,
              "discard_partial_chunks": True, "lmcache_rpc_port": "consumer1", "skip_last_n_tokens": 1}
@@ -401,7 +418,7 @@ def test_resolve_config_stub_vllm(caplog, monkeypatch):
     assert c.chunk_size == 128 and c.blend_recompute_ratios == (0.15,)
     assert c.save_unfull_chunk is False  # discard_partial_chunks wins over the env, as in LMCache
     got = warnings_of(caplog)
-    for e in ("discard_partial_chunks", "lmcache_rpc_port", "skip_last_n_tokens", "LMCACHE_PD_ROLE",
+    for e in ("discard_partial_chunks", "lmcache_rpc_port", "skip_last_n_tokens", "LMCACHE_PD_PROXY_HOST",
               "blend_recompute_ratio"):
         assert any(e in m for m in got), (e, got)
     # no extra config at all
@@ -437,11 +454,11 @@ def test_cli_config_check_ok(capsys):
     body = out[out.index("{"):out.rindex("}") + 1]
     assert json.loads(body)["local_cpu"] is False
     warned = [line for line in out.splitlines() if line.startswith("warning: ")]
-    assert len(warned) == 8 and all(PD in w for w in warned)
-    assert "# loads: 8 warning(s)" in out
+    assert len(warned) == 5 and all("PD" in w or "NIXL" in w for w in warned)
+    assert "# loads: 5 warning(s)" in out
     # every warning again on a second check in the same process
     assert main(["config", "check", str(DATA / "disagg_1p1d_prefiller.yaml")]) == 0
-    assert capsys.readouterr().out.count("warning: ") == 8
+    assert capsys.readouterr().out.count("warning: ") == 5
 
 
 def test_cli_config_check_env_file_and_extra(capsys, monkeypatch):

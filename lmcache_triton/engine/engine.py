@@ -26,6 +26,7 @@ from lmcache_triton.engine.token_database import ChunkedTokenDatabase, TokenData
 from lmcache_triton.keys import CacheEngineKey, ChunkHashes, KeyScope, MMSpan
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability.stats import EngineSnapshot, LMCStatsMonitor
+from lmcache_triton.storage.base import StorageBackend
 from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
 from lmcache_triton.storage.memory import MemoryObj
 
@@ -258,6 +259,41 @@ class LMCacheEngine:
         target = self._target(kvcaches, slot_mapping, offset)
         with torch.inference_mode():
             yield from self._store_steps(tokens, mask, target, KeyScope(**scope))
+
+    # ---- prefill/decode disaggregation -----------------------------------------------------------
+    @torch.inference_mode()
+    def send(self, tokens: TokensOrCount, *, to: StorageBackend, kvcaches: Sequence[torch.Tensor],
+             slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> int:
+        """Sends the chunks of `tokens` to another instance's tier `to` (a PD receiver), first chunk
+        first, and waits for each; returns the end of the prefix the receiver now holds. A chunk
+        this tier holds is sent as stored, any other is gathered from the paged cache. It stops at
+        the first chunk that fails (the receiver is gone or full): the chunks after it would be
+        useless without it, and the decoder computes them itself."""
+        if self.layerwise or not self.prefix_chain:
+            raise RuntimeError("sending chunks (prefill/decode disaggregation) needs the all-layers prefix mode")
+        target = self._target(kvcaches, slot_mapping, offset)
+        held = 0
+        for start, end, key in self._chunks(tokens, None, KeyScope(**scope)):
+            obj = self.storage_manager.get_in_memory(key)
+            if obj is not None:
+                try:
+                    ok = to.put(key, obj)
+                finally:
+                    self.storage_manager.release(key, obj)
+            else:
+                obj = self._allocate(end - start)
+                if obj is None:
+                    break
+                try:
+                    _drain(self.gpu_connector.batched_from_gpu([[obj]], [start], [end], target))
+                    _sync(kvcaches)
+                    ok = to.put(key, obj)
+                finally:
+                    obj.free()
+            if not ok:
+                break
+            held = end
+        return held
 
     # ---- the retrieve loop ---------------------------------------------------------------------
     def _retrieve_steps(self, tokens: TokensOrCount, mask: torch.Tensor | None, target: KVTarget,

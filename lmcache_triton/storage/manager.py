@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.storage import serde
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
@@ -65,9 +66,10 @@ class StorageManager:
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata | None = None, *,
                  pin_memory: bool | None = None) -> None:
         self.config = config
-        size = int(config.max_local_cpu_size * _GB)
+        size = config.cpu_tier_bytes
         if size <= 0:
             raise ValueError(f"max_local_cpu_size must be > 0 GB to stage chunks, got {config.max_local_cpu_size}")
+        self.metadata = metadata
         self.cpu = LocalCPUBackend(size, pin_memory=pin_memory, on_evict=self._on_evict)
         self.tiers = _lower_tiers(config, metadata)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-write") if self.tiers else None
@@ -247,6 +249,31 @@ class StorageManager:
             future.add_done_callback(self._forget)
         if not self.config.local_cpu and not self.tiers:
             obj.free()
+
+    def receive(self, key: CacheEngineKey, data: bytes | memoryview) -> bool:
+        """A chunk another instance sent (prefill/decode disaggregation), as serde bytes: checked
+        (its key, its shape against this engine's, its checksum) and put in the CPU tier, whatever
+        `local_cpu` says (there it waits for the lookup that claims it). False: no room (every
+        chunk held); raises serde.SerdeError for bytes that are not a whole, intact chunk of this
+        key, and nothing is stored then."""
+        if self.cpu.contains(key):
+            return True  # keys name their content
+        k = key.to_string()
+        header = serde.read_header(data)
+        if header.key != k:
+            raise serde.SerdeError(f"chunk {header.key!r} sent under key {k!r}")
+        if self.metadata is not None:
+            serde.check_fits(header, self.metadata)
+        obj = self.cpu.allocate(header.shape, header.dtype, header.fmt)
+        if obj is None:
+            return False
+        try:
+            serde.deserialize(data, out=obj.tensor, expected_key=k)
+        except BaseException:
+            obj.free()
+            raise
+        self.cpu.put(key, obj)
+        return True
 
     def _write(self, tier, key: CacheEngineKey, obj: MemoryObj) -> None:
         try:

@@ -1,4 +1,4 @@
-"""`lmcache-triton`: info, demo, server, stats, bench."""
+"""`lmcache-triton`: info, demo, config, server, stats, serve, proxy, bench."""
 
 from __future__ import annotations
 
@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lmcache_triton.tools.serve import add_serve_parser
 
     add_serve_parser(sub)  # serve MODEL [vLLM args...]: vLLM's OpenAI server with the connector
+    from lmcache_triton.tools.proxy import add_proxy_parser
+
+    add_proxy_parser(sub)  # the front of a prefill/decode deployment
     # Listed for --help only: main() hands everything after `bench` to bench/cli.py untouched.
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: bench {kernels,engine,storage,e2e,compare,ttft} [args...] (needs a checkout)")

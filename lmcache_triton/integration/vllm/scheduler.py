@@ -19,6 +19,7 @@ from typing import Any
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.integration.vllm.common import engine_id, world_size
 from lmcache_triton.integration.vllm.specs import (
+    DisaggSpec,
     LMCacheConnectorMetadata,
     LoadSpec,
     ReqMeta,
@@ -186,6 +187,7 @@ class SchedulerSide:
                 entry = self.prompt_chains.get(new.req_id)
                 chain = entry[0] if entry is not None else TokenChain(self.chunk_size,
                                                                       mm_spans(mm_hashes, mm_positions))
+            disagg_spec = self._disagg_spec(request) if request is not None else None
             tracker = RequestTracker.from_new_request(
                 new, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
                 load_spec.lmcache_cached_tokens if load_spec else 0,
@@ -197,6 +199,7 @@ class SchedulerSide:
                 verify_tokens=self.verify_tokens.pop(new.req_id, 0),
                 chain=chain,
             )
+            tracker.disagg_spec = disagg_spec
             self.trackers[new.req_id] = tracker
             self._add(meta, tracker, load_spec)
 
@@ -217,6 +220,17 @@ class SchedulerSide:
                 tracker.update(list(request.all_token_ids[start:start + num_new]), cached.new_block_ids[i])
             self._add(meta, tracker, load_spec)
         return meta
+
+    def _disagg_spec(self, request: Any) -> DisaggSpec | None:
+        """A PD sender's request: where its prompt's chunks go (the proxy's disagg_spec). A spec
+        that cannot be read costs the transfer, never the request: the decoder computes."""
+        if not self.config.pd_sender:
+            return None
+        try:
+            return DisaggSpec.from_params(request.request_id, getattr(request, "kv_transfer_params", None))
+        except ValueError as e:
+            logger.warning("lmcache_triton: request %s is not sent to a decoder: %s", request.request_id, e)
+            return None
 
     def _forget(self, req_id: str) -> None:
         self.trackers.pop(req_id, None)

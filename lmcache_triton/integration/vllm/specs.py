@@ -14,7 +14,7 @@ Names and fields follow LMCache's vLLM adapter, so its users find what they know
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,15 +38,44 @@ class SaveSpec:
 
 @dataclass
 class DisaggSpec:
-    """Where a prefill instance sends KV in disaggregated serving (carried, not yet acted on)."""
+    """Where a prefill instance sends a request's KV: the proxy's `kv_transfer_params.disagg_spec`
+    (LMCache's fields). `receiver_init_port` has one port per worker rank, or one base port
+    (rank r: base + r)."""
 
     req_id: str
-    receiver_id: str = ""
     receiver_host: str = ""
-    receiver_init_port: int = 0
-    receiver_alloc_port: int = 0
-    is_last_prefill: bool = False
-    num_transferred_tokens: int = 0
+    receiver_init_port: tuple[int, ...] = ()
+    receiver_alloc_port: tuple[int, ...] = ()  # LMCache's two-step transfer; unused here
+    receiver_id: str = ""
+    is_last_prefill: bool = False    # set on the step that sends
+    num_transferred_tokens: int = 0  # what the receiver holds, once sent
+
+    @classmethod
+    def from_params(cls, req_id: str, kv_transfer_params: dict | None) -> DisaggSpec | None:
+        """The spec in a request's kv_transfer_params, None without one. Raises ValueError naming
+        the field that is wrong."""
+        raw = (kv_transfer_params or {}).get("disagg_spec")
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(f"kv_transfer_params.disagg_spec must be an object, got {type(raw).__name__}")
+        host = raw.get("receiver_host")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"kv_transfer_params.disagg_spec.receiver_host must be a host name, got {host!r}")
+        return cls(req_id=str(raw.get("req_id") or req_id), receiver_host=host,
+                   receiver_init_port=_ports(raw.get("receiver_init_port"), "receiver_init_port"),
+                   receiver_alloc_port=_ports(raw.get("receiver_alloc_port") or (), "receiver_alloc_port"),
+                   receiver_id=str(raw.get("receiver_id") or ""))
+
+
+def _ports(value: Any, name: str) -> tuple[int, ...]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if name == "receiver_init_port" and not items:
+        raise ValueError("kv_transfer_params.disagg_spec.receiver_init_port is empty")
+    if not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in items):
+        raise ValueError(f"kv_transfer_params.disagg_spec.{name} must be a port or a list of ports, got {value!r}")
+    return tuple(items)
+
 
 
 def _flatten_block_ids(block_ids: Any) -> list[int]:
@@ -207,7 +236,16 @@ class ReqMeta:
         verify_tokens = tracker.verify_tokens if num_tokens >= tracker.verify_tokens > 0 else 0
         if verify_tokens:
             tracker.verify_tokens = 0  # once
-        if skip_save and load_spec is None and not verify_tokens:
+        # Prefill/decode disaggregation: the step that completes the prompt sends all of it, loaded
+        # and locally cached tokens too (the receiver has none of them), once.
+        disagg = tracker.disagg_spec
+        send = (disagg is not None and is_last_prefill and not tracker.is_decode_phase
+                and not disagg.is_last_prefill)
+        if send:
+            disagg.is_last_prefill = True
+            # a copy: the workers may read this step's metadata after the scheduler built the next
+            disagg = replace(disagg, is_last_prefill=True)
+        if skip_save and load_spec is None and not verify_tokens and not send:
             return None
         if is_last_prefill and save_unfull_chunk and not tracker.is_decode_phase:
             num_to_save = num_tokens
@@ -218,14 +256,14 @@ class ReqMeta:
             tracker.num_saved_tokens = max(tracker.num_saved_tokens, num_to_save)
 
         loading = load_spec is not None and load_spec.can_load
-        end = min(max(num_to_save, verify_tokens, load_spec.lmcache_cached_tokens if loading else 0),
-                  num_tokens)
+        end = min(max(num_to_save, verify_tokens, load_spec.lmcache_cached_tokens if loading else 0,
+                      num_tokens if send else 0), num_tokens)
         use_chain = tracker.chain is not None and not whole_prompt_only
         if use_chain:  # from the first chunk this step saves, loads or verifies
             starts = [save_spec.skip_leading_tokens] if save_spec.can_save else []
             if loading:
                 starts.append(load_spec.vllm_cached_tokens)
-            if verify_tokens:
+            if verify_tokens or send:
                 starts.append(0)
             start = min(min(starts, default=end), end) // chunk_size * chunk_size
         else:
@@ -237,7 +275,7 @@ class ReqMeta:
             is_last_prefill=is_last_prefill,
             save_spec=save_spec,
             load_spec=load_spec,
-            disagg_spec=tracker.disagg_spec,
+            disagg_spec=disagg if send else None,
             request_configs=tracker.request_configs,
             namespace=tracker.namespace,
             adapter=tracker.adapter,

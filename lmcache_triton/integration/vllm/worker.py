@@ -32,6 +32,7 @@ from lmcache_triton.integration.vllm.saver import AsyncSaver
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
+from lmcache_triton.integration.vllm.pd import PDReceiver, PDSender, rank_port
 from lmcache_triton.integration.vllm.offload_server import OffloadMsg, ZMQOffloadServer, new_job_id
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability import prometheus
@@ -82,6 +83,8 @@ class WorkerSide:
         self.engine: LMCacheEngine | None = None
         self.lookup_server: LMCacheAsyncLookupServer | None = None
         self.offload_server: ZMQOffloadServer | None = None
+        self.pd_receiver: PDReceiver | None = None
+        self.pd_sender: PDSender | None = None
         self.kvcaches: list[torch.Tensor] = []
         self.block_size = vllm_config.cache_config.block_size
         self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor]] = []
@@ -136,6 +139,15 @@ class WorkerSide:
         self.lookup_server = LMCacheAsyncLookupServer(
             self.engine, engine_id(self.vllm_config), rank,
             before_lookup=self.saver.flush if self.saver is not None else None)
+        if self.config.pd_receiver:
+            self.pd_receiver = PDReceiver(self.engine.storage_manager, metadata, host=self.config.pd_peer_host,
+                                          port=rank_port(self.config.pd_peer_init_port, rank),
+                                          auth_token=self.config.remote_auth_token)
+            self.pd_receiver.start()
+        elif self.config.pd_sender:
+            self.pd_sender = PDSender(metadata, rank=rank, compression=self.config.remote_serde,
+                                      timeout_s=self.config.blocking_timeout_secs,
+                                      auth_token=self.config.remote_auth_token)
         if self.config.enable_offload_server:
             self.offload_server = ZMQOffloadServer(self.offload, engine_id(self.vllm_config), rank, chunk_size=chunk,
                                                    num_slots=geo.num_blocks * geo.block_size)
@@ -346,6 +358,9 @@ class WorkerSide:
                 except Exception:
                     logger.exception("lmcache_triton: save of request %s failed; its chunks stay uncached",
                                      req.req_id)
+            for req in meta.requests:  # after every save is queued: the sends wait, the saves need not
+                if req.disagg_spec is not None and req.disagg_spec.is_last_prefill:
+                    self._send(req)
         finally:
             self._defer_prefault(_IDLE_GAP_S)  # committing ahead resumes once vLLM is idle for a moment
             for storer in self.storers.values():  # requests not in this step's metadata: close them
@@ -359,6 +374,39 @@ class WorkerSide:
                     self.engine.release_reservation(req_id)
                 except Exception:
                     logger.exception("lmcache_triton: releasing the lookup holds of %s failed", req_id)
+
+    def _send(self, req: ReqMeta) -> None:
+        """PD sender: sends the request's prompt to the receiver its disagg spec names and waits,
+        so the transfer is over before the prefill's reply leaves (on the save thread where there
+        is one: the engine sees one store at a time, and the chunks this step's save is storing
+        are then sent as stored). Never raises: a failed send is the decoder's miss."""
+        spec = req.disagg_spec
+        if self.pd_sender is None or spec is None:
+            return
+        try:
+            n = min(req.num_tokens, req.token_offset + _valid_slots(req.slot_mapping))
+            if req.token_offset or n <= 0:
+                return
+            tokens, scope = req.engine_tokens(0, n)
+            peer = self.pd_sender.peer(spec)
+            kw = dict(to=peer, kvcaches=self.kvcaches, slot_mapping=req.slots(0, n).to(self.kvcaches[0].device),
+                      **scope)
+            sent: dict[str, int] = {}
+            job = lambda: sent.setdefault("held", self.engine.send(tokens, **kw))  # noqa: E731
+            if self.saver is None:
+                job()
+            else:
+                self.saver.submit(req.req_id, job)
+                # a send waits at most its chunks' timeouts: bound the wait by the same, generously
+                if not self.saver.wait([req.req_id], timeout=self.config.blocking_timeout_secs * 4 + 30):
+                    logger.error("lmcache_triton: sending request %s to %s did not finish in time", req.req_id,
+                                 peer.url)
+            held = sent.get("held", 0)
+            log = logger.debug if held >= n else logger.warning
+            log("lmcache_triton: request %s: the decoder at %s holds %d of its %d prompt tokens", req.req_id,
+                peer.url, held, n)
+        except Exception:
+            logger.exception("lmcache_triton: sending request %s to its decoder failed", req.req_id)
 
     def _verify(self, req: ReqMeta) -> None:
         n = min(req.verify_tokens, req.num_tokens, req.token_offset + _valid_slots(req.slot_mapping))
@@ -407,6 +455,12 @@ class WorkerSide:
         return done["stored"]
 
     def close(self) -> None:
+        if self.pd_receiver is not None:
+            self.pd_receiver.close()
+            self.pd_receiver = None
+        if self.pd_sender is not None:
+            self.pd_sender.close()
+            self.pd_sender = None
         if self.offload_server is not None:
             self.offload_server.close()
             self.offload_server = None
