@@ -6,7 +6,7 @@ It checks that the proxy's answers equal a single instance's (the prefiller aske
 kv_producer computes every token itself), that the decoder computed only the last prompt token
 (vLLM's own usage.prompt_tokens_details.cached_tokens), and that the faults end in misses: a
 prompt larger than the decoder's receive buffer, a decoder that is gone (the prefiller still
-answers, at once), a prefiller that is gone (the decoder computes)."""
+answers, at once), a prefiller killed mid-request and then gone (the decoder computes)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,12 +137,24 @@ def test_prefiller_decoder_and_proxy(tiny_model, free_port, tmp_path):
         assert time.monotonic() - t0 < 20 and lone.choices[0].text
         assert ask(prefiller, words(600, seed=14)).choices[0].text.startswith(lone.choices[0].text)
 
-        # A prefiller that is gone: the proxy still answers, from the decoder alone.
-        late = words(700, seed=15)
-        single = ask(prefiller, late)
-        _stop(procs.pop("prefiller"))
+        # A prefiller killed in the middle of a request (computing or sending: whichever it was
+        # doing): the proxy's request still ends, answered by the decoder, which loads whatever
+        # whole prefix arrived and computes the rest.
+        killed = words(1800, seed=15)
+        single = ask(prefiller, killed)
+        answers: list = []
+        asking = threading.Thread(target=lambda: answers.append(ask(proxy, killed)))
+        asking.start()
+        time.sleep(0.15)
+        os.killpg(procs["prefiller"].pid, signal.SIGKILL)
+        asking.join(180)
+        assert not asking.is_alive() and answers, "the request through the proxy hung"
+        assert answers[0].choices[0].text == single.choices[0].text
+        # ... and while it is gone, the decoder computes every prompt itself.
+        late = words(700, seed=16)
         out = ask(proxy, late)
-        assert out.choices[0].text == single.choices[0].text and _cached(out.usage) == 0
+        assert len(out.choices[0].text.split()) == 8 and _cached(out.usage) == 0
+        assert ask(client(d_port), late).choices[0].text == out.choices[0].text
     finally:
         for proc in procs.values():
             _stop(proc)
