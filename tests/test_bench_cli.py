@@ -68,7 +68,8 @@ def test_bench_kernels_quick_tiny_case(tmp_path):
 
 @pytest.mark.parametrize("command, flags", [("e2e", ["--users", "--rounds", "--docs", "--configs"]),
                                             ("compare", ["--cases", "--lmcache-version", "--plot", "--workloads",
-                                                         "--packed", "--prompts", "--tier-gb"])])
+                                                         "--packed", "--prompts", "--tier-gb"]),
+                                            ("pd", ["--workloads", "--concurrency", "--docs", "--rounds"])])
 def test_bench_help(tmp_path, command, flags):
     r = _bench(command, "--help", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
