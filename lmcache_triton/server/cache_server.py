@@ -272,6 +272,8 @@ class ReplyBudget:
 
 # ---- the server ---------------------------------------------------------------------------------
 class CacheServer:
+    kind = "cache server"  # what its log lines call it
+
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
         self.limits = config.limits
@@ -309,11 +311,11 @@ class CacheServer:
         self.endpoint = f"{host}:{port}"
         reloaded = self.store.load()
         logger.info(
-            "lmcache-triton cache server on tcp://%s (capacity %.3g GB, max value %.3g MB, disk %s, auth %s, "
-            "%d entries reloaded)", self.endpoint, self.config.max_size_bytes / 1e9,
+            "lmcache-triton %s on tcp://%s (capacity %.3g GB, max value %.3g MB, disk %s, auth %s, "
+            "%d entries reloaded)", self.kind, self.endpoint, self.config.max_size_bytes / 1e9,
             self.limits.max_value_bytes / 1e6, self.config.disk_dir or "off", "on" if self._auth else "off", reloaded)
         if not _is_loopback(host) and self._auth is None:
-            logger.warning("cache server listens on non-loopback %s without an auth token", host)
+            logger.warning("%s listens on non-loopback %s without an auth token", self.kind, host)
         return self.endpoint
 
     def stop(self) -> None:

@@ -79,12 +79,15 @@ class ReceiverStats:
 class PDReceiver(CacheServer):
     """One worker rank's listener: chunks a prefiller sends go into `manager`'s CPU tier."""
 
+    kind = "PD receiver"
+
     def __init__(self, manager: StorageManager, metadata: LMCacheEngineMetadata, *, host: str, port: int,
                  auth_token: str | None = None) -> None:
         # A frame larger than any chunk of this engine can be is cut off by ZMQ before it is read.
         limits = Limits(max_value_bytes=serde.max_serialized_nbytes(metadata), max_keys_per_request=4096)
-        super().__init__(ServerConfig(host=_address(host), port=port, max_size_bytes=1, limits=limits,
-                                      auth_token=auth_token))
+        # (its own store stays empty: the capacity its log line shows is the buffer's)
+        super().__init__(ServerConfig(host=_address(host), port=port, max_size_bytes=manager.cpu.capacity_bytes,
+                                      limits=limits, auth_token=auth_token))
         self.manager = manager
         self.received = ReceiverStats()
         self._thread: threading.Thread | None = None
@@ -95,7 +98,6 @@ class PDReceiver(CacheServer):
         endpoint = self.bind()
         self._thread = threading.Thread(target=self.serve_forever, name="lmcache-triton-pd-receiver", daemon=True)
         self._thread.start()
-        logger.info("lmcache_triton PD receiver on tcp://%s", endpoint)
         return endpoint
 
     def close(self, timeout: float = 2.0) -> None:
