@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from bench.common import context, percentile, write_json
 from bench.prefix_cache import ROOT, _free_port, _wait_ready
+from lmcache_triton.tools.testing import stop_session
 
 DEPLOYMENTS = ("single", "pd")
 WORKLOADS = ("long-doc", "chat")
@@ -48,19 +48,6 @@ def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     full.pop("TRITON_INTERPRET", None)
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=full, cwd=ROOT,
                             start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _deploy(name: str, model: str, args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen], int]:
@@ -197,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{row['cached_share']:.0%} of prompt tokens", flush=True)
             finally:
                 for proc in reversed(procs):
-                    _stop(proc)
+                    stop_session(proc)
     for workload in args.workloads.split(","):
         by = {r["deployment"]: r for r in rows if r["workload"] == workload}
         if set(DEPLOYMENTS) <= set(by):

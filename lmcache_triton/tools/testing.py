@@ -72,3 +72,23 @@ def random_slot_mapping(num_tokens: int, *, num_blocks: int, block_size: int, de
     blocks = torch.randperm(num_blocks, generator=generator)[:blocks_needed]
     slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)[:num_tokens]
     return slots.to(device=device, dtype=torch.int64)
+
+
+def stop_session(proc, grace_s: float = 20.0) -> None:
+    """Stops a server started with `start_new_session=True` and everything it started: SIGTERM to
+    its process group (vLLM shuts its engine processes down on it), then SIGKILL to what is left."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_triton.tools.models import random_prompt
+from lmcache_triton.tools.testing import stop_session
 from lmcache_triton.tools.serve import DEFAULT_KV_TRANSFER_CONFIG, given_options, plan
 
 CHUNK = 256  # the connector's default chunk_size: only whole chunks are saved and loaded
@@ -131,14 +131,4 @@ def test_openai_server_cold_warm_and_streamed_outputs_match(tiny_model, free_por
         _wait_for(lambda: _metric(_get(base + "/metrics"), "vllm:external_prefix_cache_hits_total") == 2 * loadable,
                   10, "vllm:external_prefix_cache_hits_total")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # vLLM shuts its engine processes down on SIGTERM
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the session
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        stop_session(proc)

@@ -23,7 +23,6 @@ from lmcache_triton.integration.vllm.pd import PDReceiver, PDSender, rank_port  
 from lmcache_triton.integration.vllm.specs import DisaggSpec, LMCacheConnectorMetadata, ReqMeta, RequestTracker  # noqa: E402
 from lmcache_triton.kernels import paged_gather_ref  # noqa: E402
 from lmcache_triton.keys import TokenChain  # noqa: E402
-from lmcache_triton.server import wire  # noqa: E402
 from lmcache_triton.server.wire import Command, Status  # noqa: E402
 from lmcache_triton.storage import serde  # noqa: E402
 from lmcache_triton.storage.remote import CacheServerClient  # noqa: E402

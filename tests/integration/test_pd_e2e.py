@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_triton.tools.models import random_prompt
+from lmcache_triton.tools.testing import stop_session
 from test_openai_serve import _get, _wait_for
 
 CHUNK = 256
@@ -40,20 +41,6 @@ def _start(cmd: list[str], env_extra: dict[str, str], log: Path) -> subprocess.P
     env.update(VLLM_CPU_KVCACHE_SPACE="1", LMCACHE_MAX_LOCAL_CPU_SIZE="0.25", **env_extra)
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def _healthy(proc: subprocess.Popen, base: str, log: Path):
@@ -157,4 +144,4 @@ def test_prefiller_decoder_and_proxy(tiny_model, free_port, tmp_path):
         assert ask(client(d_port), late).choices[0].text == out.choices[0].text
     finally:
         for proc in procs.values():
-            _stop(proc)
+            stop_session(proc)
