@@ -67,6 +67,8 @@ COMMANDS = {
     "compare": Command(("bench.compare",), "the same engine workload on lmcache_triton and on LMCache",
                        own_plot=True),
     "ttft": Command(("bench.ttft",), "vLLM time to first token: cold without/with the connector, warm vs its floor"),
+    "gpu-check": Command(("bench.gpu_check",), "the first run on a GPU host: every GPU target's verdict, "
+                         "CPU-possible sections here"),
     "pd": Command(("bench.pd",), "prefill/decode disaggregation (prefiller + decoder + proxy) vs one instance: "
                   "TTFT and inter-token latency on long documents and multi-round chat"),
     "prefix-cache": Command(("bench.prefix_cache",), "vLLM's own prefix cache without/with the connector as the "

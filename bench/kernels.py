@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, context, make_timer, write_json
+from bench.common import RESULTS, context, make_timer, median_seconds, write_json
 from lmcache_triton.kernels import (paged_gather, paged_gather_layer, paged_gather_layer_ref, paged_gather_ref,
                                     paged_scatter, paged_scatter_layer, paged_scatter_layer_ref, paged_scatter_ref,
                                     tuning, use_triton)
@@ -410,6 +410,62 @@ def tune(models: list[str], repeats: int, out: Path, num_tokens: int = 2048,
     return best, wrong
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing, so a call's time is ours alone."""
+
+    launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _NoLaunch.launches += 1
+        return launch
+
+
+def host_cost(repeats: int = 2000, model: Model = MODELS["llama3-8b"], num_tokens: int = 256) -> dict[str, float]:
+    """Microseconds of Python per launch before Triton's own launch (argument checks, the cache's
+    launch plan, the grid), with the kernels replaced by a stand-in. `engine_*`: what a store or
+    load pays per chunk (the caches and slots checked once per call, `PagedTarget`); `public_*`:
+    a call of the public launchers, which check everything each time. Triton's launch itself (its
+    C launcher, ~10-40 us per call on a GPU host) comes on top and needs a GPU to time. The same
+    caches every call, as vLLM hands them over."""
+    from lmcache_triton.kernels import PagedTarget, paged_copy
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    caches = make_kv_caches(model.layout, num_layers=model.num_layers, num_blocks=max(64, num_tokens // 16 + 1),
+                            block_size=16, num_kv_heads=model.num_kv_heads, head_size=model.head_size,
+                            dtype=torch.bfloat16, device=device)
+    slots = torch.arange(num_tokens, device=device)
+    chunk = torch.empty(2, model.num_layers, num_tokens, model.hidden, dtype=torch.bfloat16, device=device)
+    layer_chunk = torch.empty(num_tokens, 2, model.hidden, dtype=torch.bfloat16, device=device)
+    paged = PagedTarget.of(caches, slots, model.layout)
+    layer0 = paged.layer(0)
+    calls = {
+        "engine_gather_all_layers": lambda: paged.gather(0, num_tokens, chunk),
+        "engine_scatter_all_layers": lambda: paged.scatter(0, num_tokens, chunk),
+        "engine_gather_one_layer": lambda: paged.layer(0).gather(0, num_tokens, layer_chunk),
+        "engine_scatter_one_layer": lambda: layer0.scatter(0, num_tokens, layer_chunk),
+        "public_gather_all_layers": lambda: paged_gather(caches, slots, model.layout, out=chunk),
+        "public_scatter_all_layers": lambda: paged_scatter(chunk, caches, slots, model.layout),
+        "public_gather_one_layer": lambda: paged_gather_layer(caches[0], slots, model.layout, out=layer_chunk),
+    }
+    saved = paged_copy._paged_gather_kernel, paged_copy._paged_scatter_kernel, paged_copy.use_triton
+    stand_in = _NoLaunch()
+    paged_copy._paged_gather_kernel = paged_copy._paged_scatter_kernel = stand_in
+    paged_copy.use_triton = lambda device: True
+    try:
+        out = {}
+        for name, fn in calls.items():
+            for _ in range(200):  # the launch plans, the interpreter's caches
+                fn()
+            out[name] = median_seconds(fn, repeats) * 1e6
+        return out
+    finally:
+        paged_copy._paged_gather_kernel, paged_copy._paged_scatter_kernel, paged_copy.use_triton = saved
+
+
+HOST_COST_TARGET_US = 20.0  # issue #16: our own Python per all-layers call, before Triton's launch
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the bench; 1 when any output differed from the oracle (a FAIL row, a rejected tile), else 0."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,7 +478,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", nargs="+", type=int)
     p.add_argument("--block-sizes", nargs="+", type=int)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--host-cost", action="store_true", help="only the launchers' own Python per call (no copies)")
     args = p.parse_args(argv)
+    cost = host_cost()
+    worst = max(cost["engine_gather_all_layers"], cost["engine_scatter_all_layers"])
+    print("host cost per launch, before Triton's launch (median of 2000, llama3-8b, 256 tokens, kernels stubbed):")
+    for k, v in cost.items():
+        print(f"    {k:28s} {v:6.1f} us")
+    print(f"    {'PASS' if worst < HOST_COST_TARGET_US else 'FAIL'}  a store's or load's all-layers launch "
+          f"{worst:.1f} us (< {HOST_COST_TARGET_US:g} us; Triton's own launch comes on top)")
+    if args.host_cost:
+        write_json("kernels_host_cost", {**context(), "host_cost_us": cost})
+        return 0
 
     cuda = torch.cuda.is_available()
     if args.tune:
@@ -474,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {r.model} bs={r.block_size} T={r.tokens} {r.chunk_on}: {r.check}")
     else:
         print(f"  oracle check: all {len(rows)} rows bit-exact")
-    result = {**ctx, "cuda": cuda, "oracle_check": {"what": ORACLE_CHECK, "failed": len(failed)},
+    result = {**ctx, "cuda": cuda, "host_cost_us": cost, "oracle_check": {"what": ORACLE_CHECK, "failed": len(failed)},
               "rows": [asdict(r) for r in rows], "targets": targets}
     jpath = write_json("kernels", result)
     cpath = write_csv("kernels", rows, ctx)

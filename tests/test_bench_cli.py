@@ -171,3 +171,22 @@ def test_storage_flags_go_to_the_module_that_has_them():
     argv = ["--repeats", "2", "--no-redis", "--dir", "/x", "--fsync", "--bogus"]
     assert argv_for("bench.storage_local", argv) == ["--repeats", "2", "--dir", "/x", "--fsync", "--bogus"]
     assert argv_for("bench.storage_remote", argv) == ["--reps", "2", "--no-redis", "--bogus"]
+
+
+def test_gpu_check_runs_its_sections_apart_and_skips_what_needs_a_gpu(tmp_path):
+    """Each section on its own, one verdict line per target, one JSON; no speed asserted (the
+    host-cost verdict may say FAIL on a loaded host: only that it was judged is checked)."""
+    r = _bench("gpu-check", "--quick", "--sections", "topology,host_cost,pinned,memcheck", cwd=tmp_path)
+    lines = r.stdout.splitlines()
+    assert any(re.match(r"(PASS|FAIL)  host_cost: host cost per all-layers call < 20 us \(\d+\.\d us\)", ln)
+               for ln in lines), r.stdout + r.stderr
+    (path,) = [p for p in _written(r.stdout) if p.suffix == ".json"]
+    try:
+        sections = json.loads(path.read_text())["sections"]
+        assert list(sections) == ["topology", "host_cost", "pinned", "memcheck"]
+        assert sections["host_cost"]["status"] == "ran" and sections["host_cost"]["us"]["engine_gather_all_layers"] > 0
+        if not torch.cuda.is_available():
+            assert all(sections[s]["status"] == "skipped" for s in ("topology", "pinned", "memcheck"))
+            assert "SKIP  pinned: needs a CUDA device" in r.stdout
+    finally:
+        path.unlink(missing_ok=True)

@@ -111,8 +111,8 @@ def test_tune_rejects_a_wrong_tile(tiny_bench, monkeypatch, capsys):
     monkeypatch.setattr(bench_kernels, "TUNE_SPACE", dict(block_t=[2, 4], block_d=[16], num_warps=[1]))
     real = paged_copy.gather_into
 
-    def broken_at_4x16(layers, slots, out4):
-        real(layers, slots, out4)
+    def broken_at_4x16(layers, slots, out4, *span):
+        real(layers, slots, out4, *span)
         if paged_copy.tile(16, 2, "gather") == (4, 16, 1):
             _flip_first_byte(out4)
 

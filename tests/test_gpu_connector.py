@@ -143,3 +143,33 @@ def test_kernels_run_in_these_tests():
     """Without CUDA the root conftest turns on Triton's interpreter: the connectors ran the kernels."""
     from lmcache_triton.kernels import use_triton
     assert use_triton(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("stage_min", [pytest.param(0, id="staged"), pytest.param(1 << 40, id="zero-copy")])
+def test_pinned_full_chunks_are_staged_and_round_trip(monkeypatch, stage_min):
+    """Full chunks in pinned host memory go through a device buffer and one DMA each way; smaller
+    ones the kernel reads over PCIe. Both land the same bytes, several chunks deep (the two
+    buffers are reused)."""
+    from lmcache_triton.engine import gpu_connector
+
+    monkeypatch.setattr(gpu_connector, "STAGE_MIN_BYTES", stage_min)
+    calls = {"gather": 0, "scatter": 0}
+    for name in calls:
+        real = getattr(gpu_connector._Staging, name)
+        monkeypatch.setattr(gpu_connector._Staging, name,
+                            lambda self, *a, _real=real, _name=name: (calls.__setitem__(_name, calls[_name] + 1),
+                                                                      _real(self, *a))[1])
+    engine, connector, caches = setup("v2", "vllm_packed", "LBNHC", "cuda")
+    g = torch.Generator().manual_seed(3)
+    n = 4 * CHUNK + 5
+    tokens = torch.randint(0, 1000, (n,), generator=g)
+    src, dst = caches(g=g), caches(fill=SENTINEL)
+    src_slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:n].cuda()
+    dst_slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:n].cuda()
+    assert engine.store(tokens, kvcaches=src, slot_mapping=src_slots) == n
+    assert bool(engine.retrieve(tokens, kvcaches=dst, slot_mapping=dst_slots).all())
+    assert torch.equal(bits(paged_gather_ref(dst, dst_slots, "vllm_packed")),
+                       bits(paged_gather_ref(src, src_slots, "vllm_packed")))
+    assert (calls["gather"] > 0 and calls["scatter"] > 0) == (stage_min == 0)

@@ -122,7 +122,7 @@ def test_pinned_pool_locks_exactly_its_size():
     size = (5 << 20) + 512
     before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     pool = TensorMemoryPool(size)
-    assert pool.buffer.is_held() and pool.buffer.numel() == size
+    assert pool.buffer.is_pinned() and pool.buffer.numel() == size
     assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before  # not torch's allocator
     obj = pool.allocate((2, 3, 17, 64), torch.bfloat16, F)
     src = torch.randn(obj.shape, device="cuda").to(torch.bfloat16)
@@ -130,5 +130,47 @@ def test_pinned_pool_locks_exactly_its_size():
     torch.cuda.synchronize()
     assert torch.equal(obj.tensor.cuda(), src)
     buf, registered = pinned_buffer(4096)
-    assert buf.is_held() and registered == [buf.data_ptr()]
+    assert buf.is_pinned() and registered == [buf.data_ptr()]
     torch.cuda.cudart().cudaHostUnregister(registered[0])
+
+
+class _DriverWithALimit:
+    """cudaHostRegister as a driver that refuses single registrations above `limit` bytes: the
+    pieces' fallback is our logic, run here on any host (a real GPU's limit cannot be set)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr, size, flags):
+        if size > self.limit:
+            return 1
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+    def cudaGetErrorString(self, err):
+        return "limit"
+
+
+def test_pinned_buffer_registers_in_smaller_pieces_where_a_large_one_fails(monkeypatch):
+    from lmcache_triton.storage import memory
+
+    driver = _DriverWithALimit(limit=300 << 10)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    monkeypatch.setattr(memory, "_REGISTER_CHUNK", 1 << 20)
+    monkeypatch.setattr(memory, "_MIN_REGISTER_CHUNK", 64 << 10)
+    size = (3 << 20) + 4096
+    buf, registered = memory.pinned_buffer(size)
+    assert buf.numel() == size and registered == sorted(driver.registered)
+    assert sum(driver.registered.values()) == size, "every byte registered once"
+    assert max(driver.registered.values()) == 256 << 10, "1 MiB pieces failed, then 256 KiB ones worked"
+    driver.limit = 1 << 10  # no piece size works: torch's pinned allocator is the last resort
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: ("torch-pinned" if pin_memory else
+                                                                           torch.zeros(*a, **k)))
+    assert memory.pinned_buffer(size) == ("torch-pinned", [])
+    assert sum(driver.registered.values()) == size, "the failed attempt left nothing registered"

@@ -199,6 +199,7 @@ class LMCacheEngine:
         objs_by_chunk: list[list[MemoryObj]] = []
         refusals = 0
         complete = False
+        mover = None
         try:
             for i, (start, end, keys) in enumerate(chunks):
                 if all(present[i * steps:(i + 1) * steps]):
@@ -222,7 +223,9 @@ class LMCacheEngine:
                 next(mover)
                 yield
             # One wait for all steps' copies, after the last: a wait per layer would stall the
-            # forward between layers. Only then do the chunks become visible to readers.
+            # forward between layers. Only then do the chunks become visible to readers. (Closing
+            # the mover orders the current stream after a layerwise connector's side stream.)
+            mover.close()
             _sync(target.kvcaches)
             if self.mode.key_rotation is not None:
                 for objs_of_step in by_step:
@@ -233,6 +236,8 @@ class LMCacheEngine:
             complete = True
         finally:  # closed early or failed: nothing was put, so the objects are still ours to free
             if not complete:
+                if mover is not None:
+                    mover.close()
                 _sync(target.kvcaches)
                 for obj in (o for objs in objs_by_chunk for o in objs):
                     obj.free()
@@ -307,6 +312,7 @@ class LMCacheEngine:
         starts: list[int] = []
         ends: list[int] = []
         held: list[tuple[list[CacheEngineKey], list[MemoryObj]]] = []
+        mover = None
         try:
             for start, end, key in self._chunks(tokens, mask, scope):
                 keys = self._object_keys(key)
@@ -331,7 +337,10 @@ class LMCacheEngine:
                 yield None
         finally:
             # The copies read the objects until they land: one wait, then release every hold
-            # (also when the generator is closed early or fails).
+            # (also when the generator is closed early or fails; closing the mover orders the
+            # current stream after the layers a layerwise connector queued ahead).
+            if mover is not None:
+                mover.close()
             _sync(target.kvcaches)
             for keys, objs in held:
                 for k, obj in zip(keys, objs):

@@ -24,14 +24,7 @@ from typing import Any
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.kernels import (
-    LAYOUTS,
-    kv_geometry,
-    paged_gather,
-    paged_gather_layer,
-    paged_scatter,
-    paged_scatter_layer,
-)
+from lmcache_triton.kernels import LAYOUTS, PagedTarget, kv_geometry, paged_scatter_layer
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 
@@ -49,6 +42,16 @@ class KVTarget:
     # Loads only: False leaves the KV in the buffer connector's layer buffer, for the blender to
     # blend and then write into the paged cache itself.
     write_paged: bool = True
+
+    def paged(self, layout: str) -> PagedTarget:
+        """The caches and slots checked once for the kernels (a store or a load moves many chunks
+        through the same target): each chunk's copy is then a slice and a launch. Index i of its
+        slots is token `offset + i`."""
+        cached = self.__dict__.get("_paged")
+        if cached is None or cached[0] != layout:
+            cached = (layout, PagedTarget.of(self.kvcaches, self.slot_mapping, layout))
+            object.__setattr__(self, "_paged", cached)  # frozen: a cache of derived values only
+        return cached[1]
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         """The slots of tokens [start, end)."""
@@ -131,12 +134,92 @@ def _paged_only(target: KVTarget) -> None:
                          "(config enable_blending)")
 
 
+# A pinned host chunk at least this large moves through a device buffer and one DMA (staged);
+# smaller ones (partial chunks, small models) the kernel reads or writes over PCIe (zero-copy).
+# vLLM measured DMA ahead end to end above ~28 KiB per block; a zero-copy kernel on a 32 MiB chunk
+# fills every SM with programs waiting on PCIe for ~0.65 ms and slows the model's compute beside it.
+STAGE_MIN_BYTES = 1 << 20
+
+
+class _Staging:
+    """Two device buffers and a copy stream per device: chunk i is gathered into buffer i % 2 on
+    the current stream while the DMA of chunk i - 1 runs on the copy stream (and the other way
+    round for loads). Events order each buffer's reuse; the current stream is ordered after the
+    last DMA, so the caller's one sync covers them all."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def applies(self, obj: MemoryObj, kvcaches: Sequence[torch.Tensor]) -> bool:
+        t = obj.tensor
+        return kvcaches[0].is_cuda and t.device.type == "cpu" and t.nbytes >= STAGE_MIN_BYTES and t.is_pinned()
+
+    def _ring(self, device: torch.device, nbytes: int) -> tuple[list[torch.Tensor], torch.cuda.Stream]:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        ring = self._buffers.get(device)
+        if ring is None or ring[0].numel() < nbytes:
+            if ring is not None:
+                for old in ring:  # the allocator must not hand them out while a DMA still reads them
+                    old.record_stream(stream)
+            ring = self._buffers[device] = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        return ring, stream
+
+    @staticmethod
+    def _view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return buf[:like.nbytes].view(like.dtype).view(like.shape)
+
+    def gather(self, chunks: list[tuple[MemoryObj, int, int]], paged: PagedTarget) -> None:
+        """obj <- the paged cache, tokens [start, end) of `paged`'s slots, for every (obj, start,
+        end): a kernel into a device buffer, then one DMA to the pinned object."""
+        device = paged.layers.device
+        ring, stream = self._ring(device, max(obj.tensor.nbytes for obj, _, _ in chunks))
+        current = torch.cuda.current_stream(device)
+        copied: list[torch.cuda.Event | None] = [None, None]
+        for i, (obj, start, end) in enumerate(chunks):
+            if copied[i % 2] is not None:
+                current.wait_event(copied[i % 2])  # that buffer's previous DMA has read it
+            staged = self._view(ring[i % 2], obj.tensor)
+            paged.gather(start, end, staged)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                obj.tensor.copy_(staged, non_blocking=True)
+                copied[i % 2] = torch.cuda.Event()
+                copied[i % 2].record(stream)
+        current.wait_stream(stream)
+
+    def scatter(self, chunks: list[tuple[MemoryObj, int, int]], paged: PagedTarget) -> None:
+        """The paged cache at tokens [start, end) of `paged`'s slots <- obj, for every (obj,
+        start, end): one DMA from the pinned object into a device buffer, then a kernel from it."""
+        device = paged.layers.device
+        ring, stream = self._ring(device, max(obj.tensor.nbytes for obj, _, _ in chunks))
+        current = torch.cuda.current_stream(device)
+        scattered: list[torch.cuda.Event | None] = [None, None]
+        stream.wait_stream(current)  # buffers last used by an earlier call's kernels
+        for i, (obj, start, end) in enumerate(chunks):
+            staged = self._view(ring[i % 2], obj.tensor)
+            with torch.cuda.stream(stream):
+                if scattered[i % 2] is not None:
+                    stream.wait_event(scattered[i % 2])  # that buffer's previous kernel has read it
+                staged.copy_(obj.tensor, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+            current.wait_event(landed)
+            paged.scatter(start, end, staged)
+            scattered[i % 2] = torch.cuda.Event()
+            scattered[i % 2].record(current)
+
+
 class VLLMPagedMemGPUConnectorV2(GPUConnectorInterface):
-    """All layers of a chunk per object and step: KV_2LTD `[2, L, T, hidden]`, or KV_MLA `[1, L, T, C]`."""
+    """All layers of a chunk per object and step: KV_2LTD `[2, L, T, hidden]`, or KV_MLA `[1, L, T, C]`.
+    On a GPU, full chunks in pinned host memory are staged (`_Staging`), smaller ones zero-copy."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.fmt = MemoryFormat.KV_MLA if self.use_mla else MemoryFormat.KV_2LTD
+        self._staging = _Staging()
 
     @property
     def steps(self) -> int:
@@ -155,17 +238,33 @@ class VLLMPagedMemGPUConnectorV2(GPUConnectorInterface):
         """One chunk -> the paged cache (LMCache's single-chunk call)."""
         _drain(self.batched_to_gpu([[memory_obj]], [start], [end], KVTarget(kvcaches, slot_mapping, offset)))
 
+    def _split(self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], target: KVTarget):
+        """(staged, direct) lists of (obj, start, end), as indices into the target's slots."""
+        staged, direct = [], []
+        for obj, start, end in zip(objs, starts, ends, strict=True):
+            chunk = (obj, start - target.offset, end - target.offset)
+            (staged if self._staging.applies(obj, target.kvcaches) else direct).append(chunk)
+        return staged, direct
+
     def batched_from_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
                          target: KVTarget) -> Steps:
-        for obj, start, end in zip(objs[0], starts, ends, strict=True):
-            paged_gather(target.kvcaches, target.slots(start, end), self.layout, out=obj.tensor)
+        paged = target.paged(self.layout)
+        staged, direct = self._split(objs[0], starts, ends, target)
+        for obj, start, end in direct:
+            paged.gather(start, end, obj.tensor)
+        if staged:
+            self._staging.gather(staged, paged)
         yield
 
     def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
                        target: KVTarget) -> Steps:
         _paged_only(target)
-        for obj, start, end in zip(objs[0], starts, ends, strict=True):
-            paged_scatter(obj.tensor, target.kvcaches, target.slots(start, end), self.layout)
+        paged = target.paged(self.layout)
+        staged, direct = self._split(objs[0], starts, ends, target)
+        for obj, start, end in direct:
+            paged.scatter(start, end, obj.tensor)
+        if staged:
+            self._staging.scatter(staged, paged)
         yield
 
 
@@ -215,7 +314,10 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
                  move_layer: Callable[[int], None], tensors: Callable[[int], Sequence[torch.Tensor]],
                  ahead: int) -> Generator[None, None, None]:
         """Run move_layer(0..num_layers-1), one per step; on CUDA on the side stream, `ahead`
-        layers ahead (1 for loads; 0 for stores, whose layer i+1 is not computed yet at step i)."""
+        layers ahead. Loads (ahead=1): the current stream waits for layer i's copy at step i (its
+        attention reads it). Stores (ahead=0: layer i+1 is not computed at step i): nothing waits
+        per layer, so each layer's copy to the host overlaps the next layers' forward; the
+        current stream is ordered after all of them once, at the end (the caller's one sync)."""
         stream = self._side_stream(kvcaches)
         if stream is None:
             for layer in range(num_layers):
@@ -237,19 +339,30 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
                 events.append(torch.cuda.Event())
                 events[-1].record(stream)
 
-        for layer in range(num_layers):
-            while len(events) <= min(layer + ahead, num_layers - 1):
-                queue(len(events))
-            current.wait_event(events[layer])
-            yield
+        try:
+            for layer in range(num_layers):
+                while len(events) <= min(layer + ahead, num_layers - 1):
+                    queue(len(events))
+                if ahead:
+                    current.wait_event(events[layer])
+                yield
+        finally:
+            # The stores' copies, and when closed early or failed a load's layer queued ahead, may
+            # still be reading or writing objects whose holds the caller is about to release. Order
+            # the current stream after every queued layer (on the device, no host wait), so the
+            # caller's one sync of the current stream covers them.
+            for event in events:
+                current.wait_event(event)
 
     def batched_from_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
                          target: KVTarget) -> Steps:
-        slots = [target.slots(start, end) for start, end in zip(starts, ends, strict=True)]
+        paged = target.paged(self.layout)
+        spans = [(start - target.offset, end - target.offset) for start, end in zip(starts, ends, strict=True)]
 
         def move(layer: int) -> None:
-            for obj, s in zip(objs[layer], slots, strict=True):
-                paged_gather_layer(target.kvcaches[layer], s, self.layout, out=obj.tensor)
+            one = paged.layer(layer)
+            for obj, (start, end) in zip(objs[layer], spans, strict=True):
+                one.gather(start, end, obj.tensor)
 
         yield from self._layered(len(objs), target.kvcaches, move,
                                  lambda layer: [o.tensor for o in objs[layer]], ahead=0)
@@ -257,11 +370,13 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
     def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
                        target: KVTarget) -> Steps:
         _paged_only(target)
-        slots = [target.slots(start, end) for start, end in zip(starts, ends, strict=True)]
+        paged = target.paged(self.layout)
+        spans = [(start - target.offset, end - target.offset) for start, end in zip(starts, ends, strict=True)]
 
         def move(layer: int) -> None:
-            for obj, s in zip(objs[layer], slots, strict=True):
-                paged_scatter_layer(obj.tensor, target.kvcaches[layer], s, self.layout)
+            one = paged.layer(layer)
+            for obj, (start, end) in zip(objs[layer], spans, strict=True):
+                one.scatter(start, end, obj.tensor)
 
         yield from self._layered(len(objs), target.kvcaches, move,
                                  lambda layer: [o.tensor for o in objs[layer]], ahead=1)
@@ -341,14 +456,18 @@ class VLLMBufferLayerwiseGPUConnector(VLLMPagedMemLayerwiseGPUConnector):
             slot = layer % self.num_buffers
             dst = buf[slot]
             for obj, start, end in zip(objs[layer], starts, ends, strict=True):
-                src = obj.tensor.unsqueeze(0) if self.use_mla else obj.tensor.permute(1, 0, 2)
-                dst[:, start - first:end - first].copy_(src, non_blocking=True)
+                # From the contiguous (pinned) object into a permuted view of the device buffer:
+                # one DMA, then a device-side permute. The other way round (a permuted view of
+                # the host object as the source), PyTorch first makes a pageable host copy of it.
+                rows = dst[:, start - first:end - first]
+                (rows[0] if self.use_mla else rows.permute(1, 0, 2)).copy_(obj.tensor, non_blocking=True)
             self._resident[slot] = layer
             if target.write_paged and all_slots is not None and len(all_slots) == num_tokens:
                 self.flush_layer_to_paged(layer, all_slots, kvcaches)
 
+        extra = [buf] if all_slots is None else [buf, all_slots]  # all_slots: made on the current stream
         yield from self._layered(len(objs), kvcaches, move,
-                                 lambda layer: [buf, *(o.tensor for o in objs[layer])], ahead=1)
+                                 lambda layer: [*extra, *(o.tensor for o in objs[layer])], ahead=1)
 
 
 def create_gpu_connector(config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata, layout: str,

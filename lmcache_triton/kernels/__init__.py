@@ -9,13 +9,13 @@ Imports nothing but torch and triton (and the standard library), and has no side
 
 from .common import use_triton
 from .layouts import LAYOUTS, KVGeometry, kv_geometry, kv_views
-from .paged_copy import paged_gather, paged_gather_layer, paged_scatter, paged_scatter_layer
+from .paged_copy import PagedTarget, paged_gather, paged_gather_layer, paged_scatter, paged_scatter_layer
 from .reference import (paged_gather_layer_ref, paged_gather_ref, paged_scatter_layer_ref,
                         paged_scatter_ref)
 
 __all__ = [
     "LAYOUTS", "KVGeometry", "kv_geometry", "kv_views", "use_triton",
-    "paged_gather", "paged_scatter", "paged_gather_layer", "paged_scatter_layer",
+    "paged_gather", "paged_scatter", "paged_gather_layer", "paged_scatter_layer", "PagedTarget",
     "paged_gather_ref", "paged_scatter_ref", "paged_gather_layer_ref", "paged_scatter_layer_ref",
 ]
 

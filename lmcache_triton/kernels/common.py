@@ -31,10 +31,16 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cuda" or (INTERPRETED and device.type == "cpu")
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
 def on_device(device: torch.device):
     """Context in which to launch a kernel for tensors on ``device``: Triton launches on the current
-    CUDA device, which on a multi-GPU host must be the tensors' own."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    CUDA device, which on a multi-GPU host must be the tensors' own (switched only when it is not:
+    the switch is two driver calls per launch)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_SWITCH
+    return torch.cuda.device(device)
 
 
 # Copies never convert: every dtype is moved as the integer type of its width.
@@ -82,8 +88,11 @@ _prepared: dict[tuple, tuple[list[weakref.ref], tuple, Layers]] = {}
 _MAX_PREPARED = 256
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _fingerprint(kv_caches: Sequence[torch.Tensor]) -> tuple:
-    return tuple(t.data_ptr() for t in kv_caches), kv_caches[0].stride()
+    return tuple(map(_data_ptr, kv_caches)), kv_caches[0].stride()
 
 
 def prepare_layers(kv_caches: Sequence[torch.Tensor], layout: str, name: str = "kv_caches") -> Layers:
@@ -92,10 +101,10 @@ def prepare_layers(kv_caches: Sequence[torch.Tensor], layout: str, name: str = "
         raise ValueError(f"{name} must be a non-empty sequence of per-layer tensors")
     key = (layout, *map(id, kv_caches))
     hit = _prepared.get(key)
-    if hit is not None:
-        refs, fingerprint, layers = hit
-        if all(r() is t for r, t in zip(refs, kv_caches)) and fingerprint == _fingerprint(kv_caches):
-            return layers
+    # The ids are of the same live tensors: an entry goes (weakref.finalize) before any of its
+    # tensors' memory, and so its id, can be reused. Only their storage may have moved (set_).
+    if hit is not None and hit[1] == _fingerprint(kv_caches):
+        return hit[2]
     layers = _prepare_layers([t.detach() if isinstance(t, torch.Tensor) else t for t in kv_caches], layout, name)
     if len(_prepared) >= _MAX_PREPARED:
         _prepared.clear()
@@ -144,12 +153,15 @@ def prepare_slots(slot_mapping: torch.Tensor, layers: Layers) -> torch.Tensor:
     device = layers.device
     # non_blocking only towards a GPU: a non-blocking GPU->CPU copy may not have landed when the
     # CPU reads it.
-    slots = slot_mapping.to(device, non_blocking=device.type != "cpu").contiguous()
+    if slot_mapping.device == device and slot_mapping.is_contiguous():
+        slots = slot_mapping  # the common case, without the ops' dispatch (~5 us a call)
+    else:
+        slots = slot_mapping.to(device, non_blocking=device.type != "cpu").contiguous()
     host = slot_mapping if slot_mapping.device.type == "cpu" else slots if slots.device.type == "cpu" else None
     if host is not None and host.numel():
         g = layers.geometry
         num_slots = g.num_blocks * g.block_size
-        hi = int(host.max())
+        hi = int(host.numpy().max()) if not host.requires_grad else int(host.max())  # numpy: 2 us, torch: 6
         if hi >= num_slots:
             raise ValueError(f"slot_mapping holds slot {hi}, but the cache has only {num_slots} slots "
                              f"({g.num_blocks} blocks x block_size {g.block_size}): a slot must be in "

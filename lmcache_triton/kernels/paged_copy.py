@@ -21,6 +21,7 @@ values, so caches of more than 2**31 elements work. Data is moved as the integer
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -33,7 +34,7 @@ from .reference import as_2ltd, gather_into_ref, scatter_from_ref
 
 
 @triton.jit
-def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
+def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
                     stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
@@ -45,7 +46,7 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, n
     kv = pid_lkv % NUM_KV
 
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + slot_start + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     col = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
@@ -78,29 +79,29 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, n
     return cache_addr, chunk_addr, mask
 
 
-# num_tokens changes every call, num_slots with the cache size: no value specialization (== 1,
-# % 16 == 0) on either, so no recompiles.
-@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
-def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
+# num_tokens and slot_start (where a chunk's slots begin in the request's) change every call,
+# num_slots with the cache size: no value specialization (== 1, % 16 == 0) on them, so no recompiles.
+@triton.jit(do_not_specialize=["slot_start", "num_tokens", "num_slots"])
+def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
                          stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                          c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                          BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                          NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
-                                     stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+    src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots,
+                                     kv_off, stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                                      c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                                      BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
-def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
+@triton.jit(do_not_specialize=["slot_start", "num_tokens", "num_slots"])
+def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
                           stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                           c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                           BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
                           NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, chunk_ptr, num_tokens, num_slots, kv_off,
-                                     stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+    dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots,
+                                     kv_off, stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
                                      c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                                      BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
@@ -165,47 +166,142 @@ def _layer_offsets(layers: Layers) -> torch.Tensor:
 def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> None:
     if t.device == layers.device:
         return
-    if layers.device.type == "cuda" and t.device.type == "cpu" and t.is_held():
+    if layers.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
         return  # the kernel reads/writes pinned host memory directly via UVA
     raise ValueError(f"{name} is on {t.device}, the cache on {layers.device}: {name} must be on the "
                      f"cache device or (for a CUDA cache) in pinned host memory")
 
 
-def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
-    direction = "gather" if kernel is _paged_gather_kernel else "scatter"
-    num_tokens = slots.numel()
-    if num_tokens == 0:
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch on one cache needs besides the slots and the chunk, worked out once per
+    (cache, direction) and kept with the cache's `Layers`: vLLM hands over the same tensors every
+    call. Working it out per call (layer offsets, vector width, strides, the tuned tile) cost
+    ~130 us of Python per all-layers call, 32 layers, on this 2-core host: several times a
+    ~20 us kernel on an H100 (bench.kernels --host-cost has the figure now)."""
+
+    cache_bits: torch.Tensor       # layer 0's K view as integers of the element's width
+    layer_offsets: torch.Tensor    # int64 [L] on the cache's device, elements from layer 0's base
+    num_slots: int
+    kv_off: int
+    cache_strides: tuple[int, ...]  # K's 4 strides, then V's (K's again for MLA)
+    constexprs: dict
+    block_t: int
+    grid_lk: int                    # layers x (K, V)
+    grid_d: int
+    generation: int                 # tuning.generation() it was made under
+
+
+def launch_plan(layers: Layers, direction: str) -> LaunchPlan:
+    key = ("launch_plan", direction)
+    plan = layers.derived.get(key)
+    if plan is None or plan.generation != tuning.generation():  # the tuner tries another tile
+        g, k0 = layers.geometry, layers.k[0]
+        kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
+        block_t, block_d, num_warps = tile(g.hidden, k0.element_size(), direction)
+        plan = layers.derived[key] = LaunchPlan(
+            cache_bits=as_bits(k0), layer_offsets=_layer_offsets(layers), num_slots=g.num_blocks * g.block_size,
+            kv_off=kv_off, cache_strides=(*k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride()),
+            constexprs=dict(BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
+                            VEC=vector_width(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps),
+            block_t=block_t, grid_lk=layers.num_layers * layers.num_kv, grid_d=triton.cdiv(g.hidden, block_d),
+            generation=tuning.generation())
+    return plan
+
+
+def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, start: int, end: int,
+            chunk_strides: tuple[int, ...] | None = None) -> None:
+    """`chunk_strides`: the chunk's [num_kv, L, T, hidden] strides where `chunk4` is the chunk in
+    another format (its base and dtype are what the kernel takes from it)."""
+    num_tokens = end - start
+    if num_tokens <= 0:
         return
-    g, k0 = layers.geometry, layers.k[0]
-    kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
-    block_t, block_d, num_warps = tile(g.hidden, k0.element_size(), direction)
-    grid = (triton.cdiv(num_tokens, block_t), layers.num_layers * layers.num_kv, triton.cdiv(g.hidden, block_d))
+    plan = launch_plan(layers, "gather" if kernel is _paged_gather_kernel else "scatter")
+    grid = (-(-num_tokens // plan.block_t), plan.grid_lk, plan.grid_d)
     with on_device(layers.device):
-        kernel[grid](
-            as_bits(k0), _layer_offsets(layers), slots, as_bits(chunk4), num_tokens, g.num_blocks * g.block_size, kv_off,
-            *k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride(), *chunk4.stride(),
-            BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
-            VEC=vector_width(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
-        )
+        kernel[grid](plan.cache_bits, plan.layer_offsets, slots, start, as_bits(chunk4), num_tokens, plan.num_slots,
+                     plan.kv_off, *plan.cache_strides, *(chunk_strides or chunk4.stride()), **plan.constexprs)
 
 
-def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> None:
-    """The launchers' dispatch below their argument checks: Triton kernel or torch reference.
-    ``out4`` is any chunk format as a [num_kv, L, T, hidden] view (``reference.as_2ltd``)."""
+def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor, start: int = 0, end: int | None = None) -> None:
+    """The launchers' dispatch below their argument checks: Triton kernel or torch reference, for
+    slots[start:end] (the kernel reads from `start` on: no slice per chunk). ``out4`` is any chunk
+    format as a [num_kv, L, T, hidden] view (``reference.as_2ltd``)."""
+    end = len(slots) if end is None else end
     if use_triton(layers.device):
         _check_chunk_device(out4, "out", layers)
-        _launch(_paged_gather_kernel, layers, slots, out4)
+        _launch(_paged_gather_kernel, layers, slots, out4, start, end)
     else:
-        gather_into_ref(layers, slots, out4)
+        gather_into_ref(layers, slots[start:end], out4)
 
 
-def scatter_from(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor) -> None:
+def scatter_from(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, start: int = 0,
+                 end: int | None = None) -> None:
     """The scatter counterpart of :func:`gather_into`."""
+    end = len(slots) if end is None else end
     if use_triton(layers.device):
         _check_chunk_device(chunk4, "chunk", layers)
-        _launch(_paged_scatter_kernel, layers, slots, chunk4)
+        _launch(_paged_scatter_kernel, layers, slots, chunk4, start, end)
     else:
-        scatter_from_ref(layers, slots, chunk4)
+        scatter_from_ref(layers, slots[start:end], chunk4)
+
+
+@dataclass(frozen=True)
+class PagedTarget:
+    """A paged cache and a request's slots on its device, both checked once (for a store or a
+    load of many chunks): each chunk's copy is then a slice of the slots and one launch. The
+    public launchers below check everything per call (~55 us of Python for 32 layers here);
+    through this, a chunk's copy costs ~10 us before Triton's launch (bench.kernels --host-cost)."""
+
+    layers: Layers
+    slots: torch.Tensor  # slot of token i at index i (-1: padding)
+    _per_layer: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: str) -> PagedTarget:
+        layers = prepare_layers(kv_caches, layout)
+        return cls(layers, prepare_slots(slot_mapping, layers))
+
+    def layer(self, i: int) -> PagedTarget:
+        """The same slots in layer `i` alone (for the per-layer chunk format)."""
+        target = self._per_layer.get(i)
+        if target is None:
+            layers = self.layers
+            one = layers.derived.get(("layer", i))
+            if one is None:
+                if not 0 <= i < layers.num_layers:
+                    raise ValueError(f"layer {i} out of range for a cache of {layers.num_layers} layers")
+                one = layers.derived[("layer", i)] = Layers(
+                    layers.layout, layers.geometry, [layers.k[i]], None if layers.v is None else [layers.v[i]],
+                    layers.dtype, layers.device)
+            target = self._per_layer[i] = PagedTarget(one, self.slots)
+        return target
+
+    def _move(self, kernel, chunk: torch.Tensor, start: int, end: int, name: str) -> None:
+        if not 0 <= start <= end <= len(self.slots):
+            raise ValueError(f"slot_mapping (length {len(self.slots)}) does not cover tokens [{start}, {end})")
+        layers = self.layers
+        per_layer = layers.num_layers == 1 and chunk.dim() < 4
+        shape = (layer_chunk_shape if per_layer else chunk_shape)(layers, end - start)
+        check_chunk(chunk, name, shape, layers.dtype)
+        if not use_triton(layers.device):
+            ref = gather_into_ref if kernel is _paged_gather_kernel else scatter_from_ref
+            ref(layers, self.slots[start:end], as_2ltd(chunk, per_layer, layers.geometry.use_mla))
+            return
+        _check_chunk_device(chunk, name, layers)
+        # The [num_kv, L, T, hidden] strides of a per-layer chunk, without making its view (two
+        # torch ops, ~5 us a launch here): KV_T2D [T, 2, H] and MLA [T, C]; L is 1.
+        st = chunk.stride()
+        strides = None if not per_layer else (0, 0, st[0], st[1]) if layers.geometry.use_mla else (st[1], 0, st[0], st[2])
+        _launch(kernel, layers, self.slots, chunk, start, end, strides)
+
+    def gather(self, start: int, end: int, out: torch.Tensor) -> None:
+        """Tokens [start, end) -> `out` (KV_2LTD / KV_MLA, or per layer KV_T2D / [T, C])."""
+        self._move(_paged_gather_kernel, out, start, end, "out")
+
+    def scatter(self, start: int, end: int, chunk: torch.Tensor) -> None:
+        """`chunk` -> the slots of tokens [start, end) (padding slots skipped)."""
+        self._move(_paged_scatter_kernel, chunk, start, end, "chunk")
 
 
 def paged_gather(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: str,

@@ -115,6 +115,12 @@ def save(configs: dict[str, TileConfig], path: Path | None = None, **meta: str) 
 
 _lock = threading.Lock()
 _loaded: dict[str, TileConfig] | None = None
+# Changes whenever what `lookup` answers may change: launch plans made before are stale then.
+_generation = 0
+
+
+def generation() -> int:
+    return _generation
 
 
 def _load_once() -> dict[str, TileConfig]:
@@ -141,23 +147,26 @@ def lookup(direction: str, hidden: int, element_size: int) -> TileConfig | None:
 
 def reset() -> None:
     """Forget the loaded file (tests, and `bench.kernels --tune` after writing a new one)."""
-    global _loaded
+    global _loaded, _generation
     with _lock:
         _loaded = None
+        _generation += 1
 
 
 @contextlib.contextmanager
 def using(configs: dict[str, TileConfig]) -> Iterator[None]:
     """Inside the block the launchers read exactly ``configs`` (the file is not read): how the
     tuner runs one candidate. Afterwards what was loaded before is back."""
-    global _loaded
+    global _loaded, _generation
     with _lock:
         before, _loaded = _loaded, dict(configs)
+        _generation += 1
     try:
         yield
     finally:
         with _lock:
             _loaded = before
+            _generation += 1
 
 
 @dataclass(frozen=True)

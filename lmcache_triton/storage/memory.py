@@ -54,6 +54,7 @@ _madvise = _libc_madvise() if _MADV_POPULATE_WRITE is not None else None
 # cudaHostRegister per call: large single registrations fail on recent drivers (LMCache#5177
 # registers in chunks of at most 64 GiB for the same reason).
 _REGISTER_CHUNK = 64 << 30
+_MIN_REGISTER_CHUNK = 256 << 20
 
 
 def _unregister(ptrs: list[int]) -> None:
@@ -73,8 +74,30 @@ def _clear_last_cuda_error() -> None:
     cudaGetLastError: one tiny launch consumes the error here instead."""
     try:
         torch.empty(1, device="cuda").fill_(0)
-    except RuntimeError:
+    except Exception:  # best effort: nothing to clear without a usable device
         pass
+
+
+def _register(base: int, nbytes: int) -> list[int] | None:
+    """cudaHostRegister of [base, base + nbytes) in pieces of at most _REGISTER_CHUNK; where a piece
+    fails (a driver's limit on one registration), again in pieces a quarter the size, down to
+    _MIN_REGISTER_CHUNK. The registered addresses, or None (nothing left registered)."""
+    cudart = torch.cuda.cudart()
+    piece, err = _REGISTER_CHUNK, 0
+    while piece >= _MIN_REGISTER_CHUNK:
+        done: list[int] = []
+        for off in range(0, nbytes, piece):
+            err = int(cudart.cudaHostRegister(base + off, min(piece, nbytes - off), 0))
+            if err != 0:
+                _clear_last_cuda_error()
+                _unregister(done)
+                break
+            done.append(base + off)
+        else:
+            return done
+        logger.info("cudaHostRegister in pieces of %d bytes failed (%s)", piece, cudart.cudaGetErrorString(err))
+        piece //= 4
+    return None
 
 
 def pinned_buffer(nbytes: int) -> tuple[torch.Tensor, list[int]]:
@@ -82,24 +105,18 @@ def pinned_buffer(nbytes: int) -> tuple[torch.Tensor, list[int]]:
 
     `torch.empty(..., pin_memory=True)` goes through torch's caching host allocator, which rounds
     every block up to a power of two: a 5 GB tier would lock 8 GiB (LMCache#1147, pytorch#150517).
-    So: a plain host allocation registered with cudaHostRegister. Where registration fails (a
-    driver limit, RLIMIT_MEMLOCK), fall back to torch's pinned allocation and say so.
+    So: a plain host allocation registered with cudaHostRegister, in smaller pieces where a large
+    one fails. Only where no piece size works (RLIMIT_MEMLOCK) fall back to torch's pinned
+    allocation, and say so.
     """
     if not torch.cuda.is_available():
         raise ValueError("pinned host memory needs a CUDA device; this host has none (pin_memory=False)")
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    base, done = buf.data_ptr(), []
-    for off in range(0, nbytes, _REGISTER_CHUNK):
-        err = cudart.cudaHostRegister(base + off, min(_REGISTER_CHUNK, nbytes - off), 0)
-        if int(err) != 0:
-            _clear_last_cuda_error()
-            _unregister(done)
-            logger.warning("cudaHostRegister of %d bytes failed (%s); using torch's pinned allocator, "
-                           "which rounds the CPU tier up to a power of two", nbytes,
-                           cudart.cudaGetErrorString(err))
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), []
-        done.append(base + off)
+    done = _register(buf.data_ptr(), nbytes)
+    if done is None:
+        logger.warning("cudaHostRegister of %d bytes failed in every piece size; using torch's pinned allocator, "
+                       "which rounds the CPU tier up to a power of two", nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), []
     return buf, done
 
 

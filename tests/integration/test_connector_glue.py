@@ -490,6 +490,46 @@ def test_scheduler_and_worker_store_what_a_fresh_lookup_by_tokens_finds_and_load
     assert torch.equal(paged_gather(dst, slots(16), "vllm_cpu"), paged_gather(src, slots(0), "vllm_cpu"))
 
 
+class LayerwiseLoads(StubEngine):
+    """retrieve_layer as the engine's: one step per layer, then the loaded-token mask; records how
+    many steps had run at each of vLLM's calls."""
+
+    layerwise = True
+
+    def __init__(self, num_layers: int, loaded: int) -> None:
+        super().__init__()
+        self.num_layers, self.loaded, self.steps = num_layers, loaded, 0
+
+    def retrieve_layer(self, tokens, mask=None, **kw):
+        n = tokens if isinstance(tokens, int) else len(tokens)
+        for _ in range(self.num_layers):
+            self.steps += 1
+            yield None
+        ret = torch.zeros(n, dtype=torch.bool)
+        ret[:self.loaded] = True
+        yield ret
+
+
+def test_a_layerwise_load_keeps_exactly_one_layer_ahead_and_ends_after_the_forward():
+    """Layer j's attention waits for layer j's load alone (on a GPU the connector queues j+1
+    behind it); the last step (one wait for the copies, the mask of what loaded) runs in
+    wait_for_save, after the forward, not before the last layer's attention."""
+    engine = LayerwiseLoads(num_layers=4, loaded=CHUNK)
+    req = _req("a", 0, 2 * CHUNK, save_from=None, load=2 * CHUNK)
+    side = _worker(LMCacheConnectorMetadata(requests=[req]), engine)
+    side.start_load_kv(None)
+    seen = [engine.steps]
+    for layer in range(4):
+        side.wait_for_layer_load(f"layer.{layer}")
+        seen.append(engine.steps)
+    assert seen == [1, 1, 2, 3, 4], "step j before layer j's attention, none ahead of it"
+    assert side.get_block_ids_with_load_errors() == set(), "the mask comes after the forward"
+    side.wait_for_save()
+    assert side.retrievers == []
+    assert side.get_block_ids_with_load_errors() == set(range(CHUNK // BLOCK, 2 * CHUNK // BLOCK)), \
+        "the second chunk did not load: its blocks are reported for vLLM to recompute"
+
+
 # ---- asynchronous saves: off the forward path, never reading blocks vLLM gave away (issue #14) -----
 class GatedEngine(StubEngine):
     """Stores wait for `gate` (a slow copy), then run `then` (the real engine's store, or nothing)."""

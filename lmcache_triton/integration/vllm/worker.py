@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +75,17 @@ def _valid_slots(slot_mapping: torch.Tensor) -> int:
     return int(bad[0]) if len(bad) else len(slot_mapping)
 
 
+@dataclass
+class _Retriever:
+    """A request's layerwise load in flight: `first_waited` until the forward's first
+    wait_for_layer_load, which start_load_kv's step already answered."""
+
+    req: ReqMeta
+    steps: Generator
+    expected: torch.Tensor
+    first_waited: bool = False
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, config: LMCacheEngineConfig, parent: Any) -> None:
         self.vllm_config = vllm_config
@@ -87,7 +99,7 @@ class WorkerSide:
         self.pd_sender: PDSender | None = None
         self.kvcaches: list[torch.Tensor] = []
         self.block_size = vllm_config.cache_config.block_size
-        self.retrievers: list[tuple[ReqMeta, Generator, torch.Tensor]] = []
+        self.retrievers: list[_Retriever] = []
         self.storers: dict[str, Generator] = {}
         self.invalid_block_ids: set[int] = set()
         self.instance_id = ""
@@ -194,13 +206,22 @@ class WorkerSide:
 
     def _blend(self, req: ReqMeta, n: int) -> None:
         tokens = torch.tensor(req.token_ids[:n], dtype=torch.int64)  # CacheBlend's metadata has the ids from 0
-        slots = req.slots(0, n).to(self.kvcaches[0].device)
+        slots = self._device_slots(req.slots(0, n))
         self.blender.blend_request(tokens, kvcaches=self.kvcaches, slot_mapping=slots, **req.key_args())
 
     def _defer_prefault(self, seconds: float) -> None:
         manager = getattr(self.engine, "storage_manager", None)
         if manager is not None:
             manager.defer_prefault(seconds)
+
+    def _device_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """A request's slots on the cache's device without a host wait: a pageable host tensor's
+        copy to a GPU blocks the host until it lands (once per request, and inside save_kv_layer);
+        from pinned memory it is queued on the stream like the kernels that read it."""
+        device = self.kvcaches[0].device
+        if device.type != "cuda" or slots.device == device:
+            return slots
+        return slots.pin_memory().to(device, non_blocking=True)
 
     # ---- loads ---------------------------------------------------------------------------------
     def _meta(self) -> LMCacheConnectorMetadata:
@@ -239,7 +260,7 @@ class WorkerSide:
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.engine is None:
             return
-        self.retrievers = []
+        self._finish_loads()  # a step whose wait_for_save never came: its loads end here
         for req in self._meta().requests:
             spec = req.load_spec
             if spec is None or not spec.can_load:
@@ -262,13 +283,13 @@ class WorkerSide:
                 self._blend(req, n)
                 return
             tokens, scope = req.engine_tokens(start, n)
-            kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slots(start, n).to(self.kvcaches[0].device),
+            kw = dict(kvcaches=self.kvcaches, slot_mapping=self._device_slots(req.slots(start, n)),
                       offset=start, **scope)
             if self.engine.layerwise:
-                retriever = self.engine.retrieve_layer(tokens, expected, **kw)
-                entry = (req, retriever, expected)
+                entry = _Retriever(req, self.engine.retrieve_layer(tokens, expected, **kw), expected)
                 self.retrievers.append(entry)
-                self._advance(entry)  # layer 0 now, layer 1 ahead of its forward
+                # Layer 0 now (on a GPU, layer 1 queued behind it); each later wait_for_layer_load
+                # takes one more step, so layer j's attention waits for layer j's load alone.
                 self._advance(entry)
             else:
                 self._record_failed(req, expected, self.engine.retrieve(tokens, expected, **kw))
@@ -276,20 +297,33 @@ class WorkerSide:
             logger.exception("lmcache_triton: load of request %s failed", req.req_id)
             self._record_failed(req, expected, None)
 
-    def _advance(self, entry: tuple[ReqMeta, Generator, torch.Tensor]) -> None:
-        req, retriever, expected = entry
+    def _advance(self, entry: _Retriever) -> bool:
+        """One step of a layerwise load; False once it is over (its loaded-token mask recorded)."""
         try:
-            out = next(retriever, None)
+            out = next(entry.steps, False)
         except Exception:
-            logger.exception("lmcache_triton: layerwise load of request %s failed", req.req_id)
-            self._record_failed(req, expected, None)
-            return
+            logger.exception("lmcache_triton: layerwise load of request %s failed", entry.req.req_id)
+            self._record_failed(entry.req, entry.expected, None)
+            return False
         if isinstance(out, torch.Tensor):  # the final step hands back the loaded-token mask
-            self._record_failed(req, expected, out)
+            self._record_failed(entry.req, entry.expected, out)
+            return False
+        return out is not False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         for entry in self.retrievers:
-            self._advance(entry)
+            if entry.first_waited:
+                self._advance(entry)
+            else:  # layer 0: start_load_kv's step already ordered it
+                entry.first_waited = True
+
+    def _finish_loads(self) -> None:
+        """After the forward: the loads' last steps (the one wait for their copies, the holds
+        released, the mask of what loaded), and any layer vLLM did not wait for."""
+        for entry in self.retrievers:
+            while self._advance(entry):
+                pass
+        self.retrievers = []
 
     # ---- saves ---------------------------------------------------------------------------------
     def _store_args(self, req: ReqMeta) -> tuple[list[int] | int, torch.Tensor | None, dict] | None:
@@ -312,7 +346,7 @@ class WorkerSide:
         if skip and not isinstance(tokens, int):  # with chunk hashes from `skip` on, the engine skips the rest
             mask = torch.ones(num_tokens, dtype=torch.bool)
             mask[:skip] = False
-        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slots(skip, num_tokens).to(self.kvcaches[0].device),
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=self._device_slots(req.slots(skip, num_tokens)),
                   offset=skip, **scope)
         return tokens, mask, kw
 
@@ -334,6 +368,7 @@ class WorkerSide:
                 self.storers[req.req_id] = iter(())
 
     def wait_for_save(self) -> None:
+        self._finish_loads()
         meta = self._meta()
         if self.saver is not None:  # whatever happens below: the scheduler holds these requests' blocks
             self.saving.update(r.req_id for r in meta.requests if r.save_spec is not None and r.save_spec.can_save)
@@ -389,7 +424,7 @@ class WorkerSide:
                 return
             tokens, scope = req.engine_tokens(0, n)
             peer = self.pd_sender.peer(spec)
-            kw = dict(to=peer, kvcaches=self.kvcaches, slot_mapping=req.slots(0, n).to(self.kvcaches[0].device),
+            kw = dict(to=peer, kvcaches=self.kvcaches, slot_mapping=self._device_slots(req.slots(0, n)),
                       **scope)
             sent: dict[str, int] = {}
             job = lambda: sent.setdefault("held", self.engine.send(tokens, **kw))  # noqa: E731
@@ -413,7 +448,7 @@ class WorkerSide:
         if n <= 0:
             return
         tokens, scope = req.engine_tokens(0, n)
-        kw = dict(kvcaches=self.kvcaches, slot_mapping=req.slots(0, n).to(self.kvcaches[0].device), **scope)
+        kw = dict(kvcaches=self.kvcaches, slot_mapping=self._device_slots(req.slots(0, n)), **scope)
         checked, mismatched = self.engine.verify(tokens, **kw)
         logger.debug("lmcache_triton: verified %d chunks of request %s, %d mismatched", checked, req.req_id,
                      mismatched)
