@@ -173,3 +173,50 @@ def test_pinned_full_chunks_are_staged_and_round_trip(monkeypatch, stage_min):
     assert torch.equal(bits(paged_gather_ref(dst, dst_slots, "vllm_packed")),
                        bits(paged_gather_ref(src, src_slots, "vllm_packed")))
     assert (calls["gather"] > 0 and calls["scatter"] > 0) == (stage_min == 0)
+
+
+def test_a_layerwise_store_and_load_is_one_launch_per_layer(monkeypatch):
+    """A step's objects of consecutive chunks are allocated side by side, so each layer of a
+    request moves in one launch (was one per chunk and layer), and the bytes are the same."""
+    from lmcache_triton.kernels import paged_copy, use_triton
+
+    if not use_triton(torch.device("cpu")):
+        pytest.skip("counts Triton launches: on a CPU host they run only in the interpreter")
+    launches = []
+    real = paged_copy._launch
+    monkeypatch.setattr(paged_copy, "_launch", lambda kernel, layers, slots, chunk, start, end, *a:
+                        (launches.append((kernel.__name__ if hasattr(kernel, "__name__") else "k", end - start)),
+                         real(kernel, layers, slots, chunk, start, end, *a))[1])
+    engine, connector, caches = setup("layerwise", "flash_attn", "LBNHC")
+    g = torch.Generator().manual_seed(5)
+    n = 4 * CHUNK + 5  # four whole chunks and a partial one
+    tokens = torch.randint(0, 1000, (n,), generator=g)
+    src, dst = caches(g=g), caches(fill=SENTINEL)
+    src_slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:n]
+    dst_slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:n]
+    assert engine.store(tokens, kvcaches=src, slot_mapping=src_slots) == n
+    assert [count for _, count in launches] == [n] * LAYERS, "one launch per layer, all five chunks"
+    launches.clear()
+    steps = list(engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots))
+    assert bool(steps[-1].all()) and [count for _, count in launches] == [n] * LAYERS
+    check_paged("flash_attn", src, src_slots, dst, dst_slots, caches)
+
+
+def test_runs_merge_only_objects_side_by_side_with_consecutive_tokens():
+    from lmcache_triton.engine.gpu_connector import _runs
+    from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
+
+    pool = TensorMemoryPool(1 << 20, pin_memory=False, alignment=512)
+    shape = lambda t: (t, 2, 64)  # noqa: E731 - KV_T2D rows of 256 bytes
+    a, b = pool.allocate(shape(4), torch.bfloat16, MemoryFormat.KV_T2D), pool.allocate(shape(4), torch.bfloat16,
+                                                                                         MemoryFormat.KV_T2D)
+    gap = pool.allocate(shape(2), torch.bfloat16, MemoryFormat.KV_T2D)
+    c = pool.allocate(shape(4), torch.bfloat16, MemoryFormat.KV_T2D)
+    for i, obj in enumerate((a, b, c)):
+        obj.tensor.fill_(i)
+    runs = list(_runs([a, b, c], [(0, 4), (4, 8), (8, 12)]))
+    assert [(r[1], r[2]) for r in runs] == [(0, 8), (8, 12)], "c is past a gap: its own launch"
+    assert runs[0][0].shape == shape(8) and torch.equal(runs[0][0][4:], b.tensor)
+    assert [(r[1], r[2]) for r in _runs([a, b], [(0, 4), (5, 9)])] == [(0, 4), (5, 9)], "tokens not consecutive"
+    for obj in (a, b, gap, c):
+        obj.free()

@@ -201,19 +201,26 @@ class LMCacheEngine:
         complete = False
         mover = None
         try:
-            for i, (start, end, keys) in enumerate(chunks):
-                if all(present[i * steps:(i + 1) * steps]):
-                    continue
-                objs: list[MemoryObj] = []
-                objs_by_chunk.append(objs)  # freed by the finally below if anything fails
-                while len(objs) < steps and (obj := self._allocate(end - start)) is not None:
-                    objs.append(obj)
-                if len(objs) < steps:  # the tier is full of held chunks: later chunks are useless without this one
-                    for obj in objs_by_chunk.pop():
-                        obj.free()
-                    refusals += 1
-                    self.storage_manager.note_miss(keys[len(objs)], MISS_REFUSED)
-                    break
+            todo = [c for i, c in enumerate(chunks) if not all(present[i * steps:(i + 1) * steps])]
+            objs_by_chunk.extend([] for _ in todo)  # freed by the finally below if anything fails
+            # Step-major: one step's (layer's) objects of consecutive chunks are consecutive
+            # allocations, so the first-fit pool places them side by side and the layerwise
+            # connector moves them in one launch per layer (not one per chunk and layer).
+            limit = len(todo)
+            for step in range(steps):
+                for i in range(limit):
+                    obj = self._allocate(todo[i][1] - todo[i][0])
+                    if obj is None:  # the tier is full of held chunks: later chunks are useless without this one
+                        refusals += 1
+                        self.storage_manager.note_miss(todo[i][2][step], MISS_REFUSED)
+                        limit = i
+                        break
+                    objs_by_chunk[i].append(obj)
+            for objs in objs_by_chunk[limit:]:
+                for obj in objs:
+                    obj.free()
+            del objs_by_chunk[limit:]
+            for start, end, keys in todo[:limit]:
                 starts.append(start)
                 ends.append(end)
                 keys_by_chunk.append(keys)

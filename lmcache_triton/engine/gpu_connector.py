@@ -273,6 +273,38 @@ def _drain(steps: Steps) -> None:
         pass
 
 
+def _runs(objs: Sequence[MemoryObj], spans: Sequence[tuple[int, int]]
+          ) -> Generator[tuple[torch.Tensor, int, int], None, None]:
+    """(tensor, start, end) per run of per-layer objects that lie side by side in memory and hold
+    consecutive tokens: one view over the run, so one launch moves it. The engine allocates a
+    step's objects one after another, so a request's chunks usually form one run: an 8K-token
+    layerwise store is then one launch per layer, not one per chunk and layer (32 vs 1024)."""
+    run: list[tuple[MemoryObj, int, int]] = []
+
+    def view() -> tuple[torch.Tensor, int, int]:
+        first = run[0][0].tensor
+        if len(run) == 1:
+            return first, run[0][1], run[0][2]
+        rows = run[-1][2] - run[0][1]
+        return first.as_strided((rows, *first.shape[1:]), first.stride()), run[0][1], run[-1][2]
+
+    for obj, (start, end) in zip(objs, spans, strict=True):
+        t = obj.tensor
+        if run:
+            prev, _, prev_end = run[-1]
+            p = prev.tensor
+            adjacent = (prev_end == start and t.is_contiguous() and p.is_contiguous() and t.dtype == p.dtype
+                        and t.device == p.device and t.shape[1:] == p.shape[1:]
+                        and t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                        and t.data_ptr() == p.data_ptr() + p.nbytes)
+            if not adjacent:
+                yield view()
+                run = []
+        run.append((obj, start, end))
+    if run:
+        yield view()
+
+
 class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
     """One layer per step, KV_T2D `[T, 2, hidden]` (MLA: `[T, C]`) objects, one per (layer, chunk).
 
@@ -361,8 +393,8 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
 
         def move(layer: int) -> None:
             one = paged.layer(layer)
-            for obj, (start, end) in zip(objs[layer], spans, strict=True):
-                one.gather(start, end, obj.tensor)
+            for tensor, start, end in _runs(objs[layer], spans):
+                one.gather(start, end, tensor)
 
         yield from self._layered(len(objs), target.kvcaches, move,
                                  lambda layer: [o.tensor for o in objs[layer]], ahead=0)
@@ -375,8 +407,8 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
 
         def move(layer: int) -> None:
             one = paged.layer(layer)
-            for obj, (start, end) in zip(objs[layer], spans, strict=True):
-                one.scatter(start, end, obj.tensor)
+            for tensor, start, end in _runs(objs[layer], spans):
+                one.scatter(start, end, tensor)
 
         yield from self._layered(len(objs), target.kvcaches, move,
                                  lambda layer: [o.tensor for o in objs[layer]], ahead=1)
