@@ -346,3 +346,24 @@ def test_proxy_asks_the_prefiller_for_one_token_sent_to_the_paired_decoder():
     assert body["max_tokens"] == 64 and body["stream"] is True, "the decoder gets the client's request unchanged"
     spec = DisaggSpec.from_params("r", out["kv_transfer_params"])
     assert (spec.receiver_host, rank_port(spec.receiver_init_port, 1)) == ("10.0.0.2", 7301)
+
+
+def test_a_receiver_that_never_answers_costs_the_sender_one_timeout_then_it_backs_off(closing, free_port):
+    """A decoder that accepts the connection and hangs (a frozen process): the send gives up after
+    the timeout, holds nothing, and the next request skips the peer at once (backed off)."""
+    import zmq
+
+    port = free_port()
+    hung = zmq.Context.instance().socket(zmq.ROUTER)  # connects, reads, never replies
+    hung.bind(f"tcp://127.0.0.1:{port}")
+    closing.append(SimpleNamespace(close=lambda: hung.close(0)))
+    sender = _engine(closing)
+    peer = _peer(closing, port, timeout_s=1.0)
+    tokens = _prompt(3 * CHUNK)
+    t0 = time.monotonic()
+    assert sender.send(tokens, to=peer, kvcaches=_caches(1), slot_mapping=torch.arange(len(tokens))) == 0
+    assert time.monotonic() - t0 < 5.0
+    t0 = time.monotonic()
+    assert sender.send(tokens, to=peer, kvcaches=_caches(1), slot_mapping=torch.arange(len(tokens))) == 0
+    assert time.monotonic() - t0 < 0.5, "backed off: no second wait"
+    assert sender.storage_manager.cpu.num_held == 0 and sender.storage_manager.cpu.pool.used_bytes == 0
