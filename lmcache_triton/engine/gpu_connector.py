@@ -250,8 +250,7 @@ class VLLMPagedMemGPUConnectorV2(GPUConnectorInterface):
                          target: KVTarget) -> Steps:
         paged = target.paged(self.layout)
         staged, direct = self._split(objs[0], starts, ends, target)
-        for obj, start, end in direct:
-            paged.gather(start, end, obj.tensor)
+        paged.gather_many([(start, end) for _, start, end in direct], [obj.tensor for obj, _, _ in direct])
         if staged:
             self._staging.gather(staged, paged)
         yield
@@ -261,8 +260,7 @@ class VLLMPagedMemGPUConnectorV2(GPUConnectorInterface):
         _paged_only(target)
         paged = target.paged(self.layout)
         staged, direct = self._split(objs[0], starts, ends, target)
-        for obj, start, end in direct:
-            paged.scatter(start, end, obj.tensor)
+        paged.scatter_many([(start, end) for _, start, end in direct], [obj.tensor for obj, _, _ in direct])
         if staged:
             self._staging.scatter(staged, paged)
         yield

@@ -30,7 +30,7 @@ import triton.language as tl
 from . import tuning
 from .common import (Layers, as_bits, check_chunk, chunk_shape, layer_chunk_shape, on_device,
                      prepare_layers, prepare_slots, use_triton)
-from .reference import as_2ltd, gather_into_ref, scatter_from_ref
+from .reference import as_2ltd, gather_into_ref, gather_spans_ref, scatter_from_ref, scatter_spans_ref
 
 
 @triton.jit
@@ -294,6 +294,29 @@ class PagedTarget:
         st = chunk.stride()
         strides = None if not per_layer else (0, 0, st[0], st[1]) if layers.geometry.use_mla else (st[1], 0, st[0], st[2])
         _launch(kernel, layers, self.slots, chunk, start, end, strides)
+
+    def _move_many(self, kernel, chunks: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]], name: str) -> None:
+        layers = self.layers
+        if use_triton(layers.device) or layers.num_layers == 1 or len(spans) < 2:
+            for chunk, (start, end) in zip(chunks, spans, strict=True):
+                self._move(kernel, chunk, start, end, name)
+            return
+        if len(chunks) != len(spans):
+            raise ValueError(f"{len(chunks)} chunks for {len(spans)} spans of tokens")
+        for chunk, (start, end) in zip(chunks, spans):
+            if not 0 <= start <= end <= len(self.slots):
+                raise ValueError(f"slot_mapping (length {len(self.slots)}) does not cover tokens [{start}, {end})")
+            check_chunk(chunk, name, chunk_shape(layers, end - start), layers.dtype)
+        (gather_spans_ref if kernel is _paged_gather_kernel else scatter_spans_ref)(layers, self.slots, spans, chunks)
+
+    def gather_many(self, spans: Sequence[tuple[int, int]], outs: Sequence[torch.Tensor]) -> None:
+        """`gather` of each span of tokens into its chunk (KV_2LTD / KV_MLA): on CPU tensors the
+        slots of consecutive chunks are checked once for all of them (reference.gather_spans_ref)."""
+        self._move_many(_paged_gather_kernel, outs, spans, "out")
+
+    def scatter_many(self, spans: Sequence[tuple[int, int]], chunks: Sequence[torch.Tensor]) -> None:
+        """`scatter` of each chunk into its span of tokens (as `gather_many`)."""
+        self._move_many(_paged_scatter_kernel, chunks, spans, "chunk")
 
     def gather(self, start: int, end: int, out: torch.Tensor) -> None:
         """Tokens [start, end) -> `out` (KV_2LTD / KV_MLA, or per layer KV_T2D / [T, C])."""

@@ -249,3 +249,84 @@ def test_layers_are_prepared_once_for_the_same_tensors():
     slots = torch.tensor(whole(2, 16), dtype=torch.int64)
     got = paged_gather(caches, slots, "flash_attn")
     assert torch.equal(bits(got), bits(naive_gather(caches, slots, "flash_attn")))
+
+
+# A request's chunks as the engine moves them: spans of tokens (start, end) over one slot mapping,
+# and how their chunk tensors lie: "pool" equally spaced in one allocation (the engine's first-fit
+# pool), "apart" separate allocations. Slots for block size 16 over 14 blocks.
+MANY = {
+    "whole-permuted": ([9, 2, 7, 0, 13, 4, 11, 5], [(0, 32), (32, 64), (64, 96), (96, 128)], 8),
+    "short-last-whole": ([3, 8, 1, 12, 6], [(0, 32), (32, 64), (64, 80)], 5),
+    "partial-last": ([3, 8, 1, 12, 6], [(0, 32), (32, 64), (64, 71)], 4),
+    "gap": ([10, 2, 6, 0, 9, 4], [(0, 32), (64, 96)], 4),
+    "padded-inside": ([10, 2, -1, 0, 9, 4], [(0, 32), (32, 64), (64, 96)], 5),
+}
+
+
+def many_slots(blocks: list[int], bs: int = 16) -> torch.Tensor:
+    return torch.tensor([s for b in blocks for s in (whole(b, bs) if b >= 0 else [-1] * bs)], dtype=torch.int64)
+
+
+def many_chunks(layout: str, spans, where: str, fill) -> list[torch.Tensor]:
+    shapes = [chunk_shape(layout, "all-layers", e - s) for s, e in spans]
+    if where == "apart":
+        return [fill(sh) for sh in shapes]
+    size = max(torch.Size(sh).numel() for sh in shapes)
+    pool = fill((len(spans), size))      # one allocation, chunks at equal spacing (a partial last one too)
+    return [pool[i, : torch.Size(sh).numel()].view(sh) for i, sh in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("where", ["pool", "apart"])
+@pytest.mark.parametrize("pattern", list(MANY))
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+@pytest.mark.parametrize("layout,order", LAYOUT_PARAMS)
+def test_many_chunks_at_once(layout, order, direction, pattern, where):
+    """PagedTarget.gather_many / scatter_many (a store's or load's chunks in one call) move exactly
+    what one call per chunk would: bit for bit against the oracle chunk by chunk, sentinels
+    elsewhere; whole blocks as whole blocks, the rest token by token."""
+    from lmcache_triton.kernels.paged_copy import PagedTarget
+
+    blocks, spans, whole_groups = MANY[pattern]
+    slots = many_slots(blocks)
+    dtype, gen = torch.bfloat16, torch.Generator().manual_seed(len(spans))
+    heads, head_size = geometry(layout)
+
+    def caches(fill):
+        return make_caches(layout, order, NUM_LAYERS, 14, 16, heads, head_size, dtype, "cpu", fill)
+
+    if direction == "gather":
+        src = caches(lambda s: rand_tensor(s, dtype, "cpu", gen))
+        got = many_chunks(layout, spans, where, lambda s: sentinel_tensor(s, dtype, "cpu"))
+        paths = moved(lambda: PagedTarget.of(src, slots, layout).gather_many(spans, got))
+        for (s, e), chunk in zip(spans, got):
+            want = naive_gather(src, slots[s:e], layout, out=sentinel_tensor(chunk.shape, dtype, "cpu"))
+            assert torch.equal(bits(chunk), bits(want)), (s, e)
+    else:
+        chunks = many_chunks(layout, spans, where, lambda s: rand_tensor(s, dtype, "cpu", gen))
+        got, want = (caches(lambda s: sentinel_tensor(s, dtype, "cpu")) for _ in range(2))
+        paths = moved(lambda: PagedTarget.of(got, slots, layout).scatter_many(spans, chunks))
+        for (s, e), chunk in zip(spans, chunks):
+            naive_scatter(chunk, want, slots[s:e], layout)
+        for l, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(bits(a), bits(b)), f"layer {l} differs from the oracle"
+    assert paths.get(f"{direction}.blocks", 0) == whole_groups * 16, paths
+    valid = sum(int((slots[s:e] >= 0).sum()) for s, e in spans)
+    assert paths.get(f"{direction}.tokens", 0) == valid - whole_groups * 16, paths
+    # chunks of one size equally spaced in one allocation: their views from one view of them all
+    stacked = {"whole-permuted": 4, "short-last-whole": 2, "partial-last": 2}.get(pattern, 0) if where == "pool" else 0
+    assert paths.get("chunks.stacked", 0) == stacked, paths
+
+
+def test_many_chunks_checks_each_chunk():
+    """A chunk of the wrong shape or a span past the slots is refused before anything moves."""
+    from lmcache_triton.kernels.paged_copy import PagedTarget
+
+    src = caches_of("flash_attn", None, 16, torch.float16, lambda s: torch.ones(s, dtype=torch.float16))
+    target = PagedTarget.of(src, many_slots([1, 0, 3]), "flash_attn")
+    good = torch.zeros(chunk_shape("flash_attn", "all-layers", 16), dtype=torch.float16)
+    bad = torch.zeros(chunk_shape("flash_attn", "all-layers", 15), dtype=torch.float16)
+    with pytest.raises(ValueError, match="out must have shape"):
+        target.gather_many([(0, 16), (16, 32)], [good, bad])
+    with pytest.raises(ValueError, match="does not cover tokens"):
+        target.gather_many([(0, 16), (40, 56)], [good, good.clone()])
+    assert not good.any()
