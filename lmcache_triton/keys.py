@@ -7,12 +7,14 @@ namespace is a keyed digest of the request's cache_salt).
 
 Hashes are the same in every process, across restarts and machines (LMCache uses Python's
 `hash()`, which changes with PYTHONHASHSEED). A chunk's token-chain hash is SHA-256 (truncated to
-16 bytes) over the previous chunk's hash and the chunk's token ids as little-endian uint32: on the
-x86 hosts here SHA-256 runs on the CPU's SHA instructions, and 4-byte ids halve the bytes, so the
-32 chunks of an 8K-token prompt hash in 82 us instead of 186 us as blake2b over int64 ids (key
-scheme lmct3), which was half of a lookup by token ids (0.36 ms).
+16 bytes) over the previous chunk's hash and the chunk's token ids as little-endian int64: the
+bytes of vLLM's own token tensors, hashed where they lie. On the x86 hosts here SHA-256 runs on
+the CPU's SHA instructions. Narrowing the ids to uint32 first (key scheme lmct4) halved the bytes
+but needed a range check and a conversion per call: right after a 256 MiB store (caches cold,
+as a lookup finds them) those two numpy calls took 115 of the 200 us spent on the ids of an
+8K-token prompt, more than the extra 32 KiB of SHA-256.
 
-A chunk's hash is taken in two steps (key scheme `lmct4`):
+A chunk's hash is taken in two steps (key scheme `lmct5`):
 
 - the *token chain*, `chain_hash(hash of chunk i-1, ids of chunk i, its multimodal/extra bytes)`
   from `CHAIN_ROOT`: scope-free, so vLLM's scheduler computes it once per request as its tokens
@@ -25,6 +27,7 @@ A chunk's hash is taken in two steps (key scheme `lmct4`):
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,10 +45,11 @@ _SEP = "@"
 # v3: the chain over the tokens is scope-free and the scope is folded into each chunk's hash
 # (`scoped_hash`), so the scheduler hashes a request's tokens once (v2 seeded the chain with the scope).
 # v4: the chain is SHA-256 over uint32 token ids (v3: blake2b over int64 ids).
-_KEY_PREFIX = "lmct4"
+# v5: SHA-256 over int64 token ids, as they lie in vLLM's tensors.
+_KEY_PREFIX = "lmct5"
 # The token chain's hash "before the first chunk".
-CHAIN_ROOT = hashlib.blake2b(b"lmcache-triton/token-chain/v4", digest_size=_HASH_BYTES).digest()
-_ID_BYTES = 4  # token ids hashed as little-endian uint32
+CHAIN_ROOT = hashlib.blake2b(b"lmcache-triton/token-chain/v5", digest_size=_HASH_BYTES).digest()
+_ID_BYTES = 8  # token ids hashed as little-endian int64
 # The blake2b key of namespace digests when the config sets no `namespace_secret`.
 _NAMESPACE_KEY = b"lmcache-triton/namespace/v2"
 
@@ -106,14 +110,14 @@ def scoped_hash(seed: bytes, span_hash: bytes) -> bytes:
 
 def _id_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
               end: int | None = None) -> np.ndarray:
-    """Token ids [start, end) as a little-endian uint32 array; only that range is read. An id
-    that does not fit (negative, or 2**32 and above: no vocabulary is that large) is an error,
-    never wrapped into another id's bytes."""
+    """Token ids [start, end) as a contiguous little-endian int64 array; only that range is read.
+    A CPU int64 tensor (what vLLM and the engine hand over) is read in place, without a copy. Ids
+    that are not integers, or do not fit in int64, are an error, never another id's bytes."""
     if isinstance(tokens, torch.Tensor):
-        if tokens.device.type == "cpu" and not tokens.requires_grad:
-            # numpy slices a view: no torch op per call (a lookup right after a 256 MiB store,
-            # caches cold, spent 50-100 us in the slice and conversion ops alone)
-            ids = tokens.numpy()[start:end].astype(np.int64, copy=False)
+        if tokens.dtype == torch.int64 and tokens.device.type == "cpu" and not tokens.requires_grad:
+            ids = tokens.numpy()[start:end]   # a view: no torch op (each ~40 us with caches cold)
+        elif tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got a {tokens.dtype} tensor")
         else:
             ids = tokens[start:end].detach().to(device="cpu", dtype=torch.int64).numpy()
     else:
@@ -121,17 +125,28 @@ def _id_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
             ids = tokens[start:end]  # lists, tuples, arrays and vLLM's ConstantList slice without a copy of the rest
         except TypeError:  # an iterable that does not slice
             ids = list(tokens)[start:end]
-        ids = np.asarray(ids, dtype=np.int64)
-    if ids.size and ids.view(np.uint64).max() > 0xFFFFFFFF:  # one pass: a negative id reads as huge
-        bad = int(ids[(ids < 0) | (ids > 0xFFFFFFFF)][0])
-        raise ValueError(f"token id {bad} is not a vocabulary index (0 <= id < 2**32)")
-    return ids.astype("<u4")
+        if isinstance(ids, np.ndarray) and ids.dtype != np.int64:
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"token ids must be integers, got a {ids.dtype} array")
+            if ids.dtype.kind == "u" and ids.dtype.itemsize == 8 and ids.size and int(ids.max()) > _INT64_MAX:
+                raise ValueError(f"token id {int(ids.max())} does not fit in int64")
+        try:
+            ids = np.asarray(ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"token ids must be integers that fit in int64: {e}") from None
+    if _BIG_ENDIAN:
+        ids = ids.astype("<i8")
+    return ids if ids.flags.c_contiguous else np.ascontiguousarray(ids)
+
+
+_INT64_MAX = 2**63 - 1
+_BIG_ENDIAN = sys.byteorder != "little"
 
 
 def chain_hash(prefix_hash: bytes, tokens: torch.Tensor | np.ndarray | Sequence[int] | memoryview,
                extra: bytes = b"") -> bytes:
     """Hash of one chunk given the hash of everything before it (`tokens` as ids, or as the bytes
-    of their little-endian uint32s)."""
+    of their little-endian int64s)."""
     h = hashlib.sha256(prefix_hash)
     h.update(tokens if isinstance(tokens, memoryview) else _id_array(tokens))  # a buffer, no copy
     if extra:

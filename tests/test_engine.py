@@ -269,3 +269,25 @@ def test_key_scope_arguments_are_checked():
         engine.lookup(torch.arange(CHUNK), namespce="tenant-a")
     with pytest.raises(TypeError, match="pin"):
         engine.lookup(torch.arange(CHUNK), pin=True)
+
+
+def test_stores_and_retrieves_hold_off_committing_the_tier_ahead():
+    """Committing the CPU tier's pages ahead takes memory bandwidth: it waits until a while after
+    each store or retrieve, and never cuts short a longer deferral (vLLM's worker defers it for
+    a whole step)."""
+    import time
+
+    engine, caches = _setup()
+    pool = engine.storage_manager.cpu.pool
+    tokens = torch.randint(0, 1000, (2 * CHUNK,), generator=torch.Generator().manual_seed(4))
+    src, slots = caches(g=torch.Generator().manual_seed(5)), _slots(len(tokens), 6)
+    pool.defer_prefault(0)
+    engine.store(tokens, kvcaches=src, slot_mapping=slots)
+    left = pool._busy_until - time.monotonic()
+    assert 0 < left <= engine._PREFAULT_QUIET_S
+    pool.defer_prefault(0)
+    engine.retrieve(tokens, kvcaches=caches(fill=0), slot_mapping=slots)
+    assert 0 < pool._busy_until - time.monotonic() <= engine._PREFAULT_QUIET_S
+    pool.defer_prefault(60)      # a step under way
+    engine.retrieve(tokens, kvcaches=caches(fill=0), slot_mapping=slots)
+    assert pool._busy_until - time.monotonic() > 50

@@ -186,8 +186,8 @@ def test_key_hash_is_the_scope_folded_into_the_token_chain():
     ns_hex, identity = db.key_scope("tenant-a", "lora:a:1")
     keys = _keys(db, tokens, namespace="tenant-a", adapter="lora:a:1")
     assert [k.chunk_hash for *_, k in keys] == [scoped_hash(scope_seed(ns_hex, identity), h).hex() for h in chain.hashes]
-    assert all(k.to_string().startswith("lmct4@") for *_, k in keys), "the key scheme was bumped"
-    old = keys[0][2].to_string().replace("lmct4@", "lmct3@", 1)
+    assert all(k.to_string().startswith("lmct5@") for *_, k in keys), "the key scheme was bumped"
+    old = keys[0][2].to_string().replace("lmct5@", "lmct4@", 1)
     with pytest.raises(ValueError, match="not a lmcache_triton key"):
         CacheEngineKey.from_string(old)
 
@@ -269,17 +269,27 @@ def test_the_key_cache_is_bounded_and_never_changes_a_key():
     assert first == again == fresh and all(x[2] != y[2] for x, y in zip(first, other))
 
 
-@pytest.mark.parametrize("bad", [-1, 2**32], ids=["negative", "past-uint32"])
-def test_token_id_outside_uint32_is_an_error_not_another_ids_bytes(bad):
-    """Ids are hashed as uint32: one that does not fit must not wrap into another id's hash."""
-    with pytest.raises(ValueError, match=f"token id {bad} "):
-        TokenChain(4).chunk_hashes([1, 2, bad, 3])
-    assert TokenChain(4).chunk_hashes([1, 2, 2**32 - 1, 3]).hashes != TokenChain(4).chunk_hashes([1, 2, 0, 3]).hashes
+def test_token_ids_are_never_another_ids_bytes():
+    """Ids are hashed as int64: any id of that range has its own bytes (a negative one, one past
+    uint32), and what is not an int64 integer is an error rather than wrapped or truncated."""
+    base = TokenChain(4).chunk_hashes([1, 2, 0, 3]).hashes
+    for other in (-1, 2**32, 2**32 - 1, 2**63 - 1):
+        assert TokenChain(4).chunk_hashes([1, 2, other, 3]).hashes != base, other
+    with pytest.raises(ValueError, match="fit in int64"):
+        TokenChain(4).chunk_hashes([1, 2, 2**64, 3])
+    with pytest.raises(ValueError, match="does not fit in int64"):
+        TokenChain(4).chunk_hashes(np.array([1, 2, 2**63, 3], dtype=np.uint64))
+    with pytest.raises(ValueError, match="must be integers"):
+        TokenChain(4).chunk_hashes(torch.tensor([1.0, 2.0, 0.0, 3.0]))
+    with pytest.raises(ValueError, match="must be integers"):
+        TokenChain(4).chunk_hashes(np.array([1.0, 2.0, 0.0, 3.0]))
 
 
 def test_ids_hash_alike_whatever_their_container():
     ids = [5, 70000, 2**31 + 7, 0, 9, 9, 1, 3]
     want = TokenChain(4).chunk_hashes(ids).hashes
     for given in (tuple(ids), np.array(ids, dtype=np.int64), torch.tensor(ids, dtype=torch.int64),
-                  np.array(ids, dtype=np.uint32)):
+                  np.array(ids, dtype=np.uint32), torch.tensor(ids, dtype=torch.int64)[::1],
+                  torch.tensor([0, *ids], dtype=torch.int64)[1:], torch.tensor(ids, dtype=torch.int64).repeat_interleave(2)[::2],
+                  np.array(ids, dtype=">i8")):
         assert TokenChain(4).chunk_hashes(given).hashes == want, type(given)

@@ -52,6 +52,14 @@ class KeyScopeArgs(TypedDict, total=False):
     chunk_hashes: ChunkHashes | Sequence[bytes] | None
 
 
+_NO_SCOPE = KeyScope()
+
+
+def _scope(args: KeyScopeArgs) -> KeyScope:
+    """The request's KeyScope; one shared instance for the usual call with none (frozen)."""
+    return KeyScope(**args) if args else _NO_SCOPE
+
+
 def _drain(gen: Generator) -> object:
     """Runs a generator to its end and returns its return value."""
     while True:
@@ -176,6 +184,15 @@ class LMCacheEngine:
         self.gpu_connector.check_caches(kvcaches)
         return KVTarget(kvcaches, slot_mapping, offset, write_paged)
 
+    # Committing the CPU tier's pages ahead (storage/memory.py) waits until this long after a
+    # store or retrieve: beside them it took their memory bandwidth (256 MiB packed prompts stored
+    # and retrieved back to back into a 4 GB tier, 3 s after start: stores 4.6-5.2 GB/s while it
+    # committed the rest, 5.1-5.6 held off); it commits in the pauses between them instead.
+    _PREFAULT_QUIET_S = 0.25
+
+    def _quiet_prefault(self) -> None:
+        self.storage_manager.defer_prefault(self._PREFAULT_QUIET_S, at_least=True)
+
     def _allocate(self, num_tokens: int) -> MemoryObj | None:
         shape = self.gpu_connector.get_shape(num_tokens)
         obj = self.storage_manager.allocate(shape, self.metadata.kv_dtype, self.gpu_connector.fmt)
@@ -190,6 +207,7 @@ class LMCacheEngine:
         the tokens stored. Whether a chunk is stored is asked of memory only (the CPU tier, the
         disk's index), never of a remote: this runs inside vLLM's step."""
         t0 = time.perf_counter()
+        self._quiet_prefault()
         steps = self.gpu_connector.steps
         chunks = [(start, end, self._object_keys(key)) for start, end, key in self._chunks(tokens, mask, scope)]
         present = self.storage_manager.contains_in_memory([k for *_, keys in chunks for k in keys])
@@ -242,6 +260,7 @@ class LMCacheEngine:
                 self.storage_manager.batched_put([keys[step] for keys in keys_by_chunk], objs_of_step)
             complete = True
         finally:  # closed early or failed: nothing was put, so the objects are still ours to free
+            self._quiet_prefault()
             if not complete:
                 if mover is not None:
                     mover.close()
@@ -259,7 +278,7 @@ class LMCacheEngine:
         """Saves the KV of every chunk of `tokens` not yet stored; returns the tokens stored now.
         `mask` (False...False True...True) skips a chunk-aligned prefix vLLM already saved."""
         return _drain(self._store_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
-                                        KeyScope(**scope)))
+                                        _scope(scope)))
 
     def store_layer(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
                     slot_mapping: torch.Tensor, offset: int = 0,
@@ -270,7 +289,7 @@ class LMCacheEngine:
             raise RuntimeError("store_layer needs a layerwise GPU connector (config use_layerwise: true)")
         target = self._target(kvcaches, slot_mapping, offset)
         with torch.inference_mode():
-            yield from self._store_steps(tokens, mask, target, KeyScope(**scope))
+            yield from self._store_steps(tokens, mask, target, _scope(scope))
 
     # ---- prefill/decode disaggregation -----------------------------------------------------------
     @torch.inference_mode()
@@ -285,7 +304,7 @@ class LMCacheEngine:
             raise RuntimeError("sending chunks (prefill/decode disaggregation) needs the all-layers prefix mode")
         target = self._target(kvcaches, slot_mapping, offset)
         held = 0
-        for start, end, key in self._chunks(tokens, None, KeyScope(**scope)):
+        for start, end, key in self._chunks(tokens, None, _scope(scope)):
             obj = self.storage_manager.get_in_memory(key)
             if obj is not None:
                 try:
@@ -313,6 +332,7 @@ class LMCacheEngine:
         """Loads the stored chunks of `tokens` (the longest prefix in prefix mode), one connector
         step per `next()` (yielding None), then yields the bool mask of loaded tokens."""
         t0 = time.perf_counter()
+        self._quiet_prefault()
         steps = self.gpu_connector.steps
         ret_mask = torch.zeros(num_tokens(tokens), dtype=torch.bool)
         requested = len(ret_mask) - self.token_database.num_skipped(tokens, mask, scope)
@@ -343,6 +363,7 @@ class LMCacheEngine:
                 next(mover)  # the connector orders vLLM's stream after this step's copy
                 yield None
         finally:
+            self._quiet_prefault()
             # The copies read the objects until they land: one wait, then release every hold
             # (also when the generator is closed early or fails; closing the mover orders the
             # current stream after the layers a layerwise connector queued ahead).
@@ -363,7 +384,7 @@ class LMCacheEngine:
         """Loads the longest stored prefix into the paged cache; returns a bool mask of loaded tokens."""
         out = None
         for out in self._retrieve_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
-                                        KeyScope(**scope)):
+                                        _scope(scope)):
             pass
         return out
 
@@ -379,7 +400,7 @@ class LMCacheEngine:
             raise RuntimeError("retrieve_layer needs a layerwise GPU connector (config use_layerwise: true)")
         target = self._target(kvcaches, slot_mapping, offset, write_paged)
         with torch.inference_mode():
-            yield from self._retrieve_steps(tokens, mask, target, KeyScope(**scope))
+            yield from self._retrieve_steps(tokens, mask, target, _scope(scope))
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, tokens: TokensOrCount, reserve: bool = False, *, lookup_id: str | None = None,
@@ -390,8 +411,8 @@ class LMCacheEngine:
         most `reservation_lease_secs`, so the load that follows finds them. Missed tokens are
         counted by why they missed. With `chunk_hashes` (from chunk 0) `tokens` may be their count."""
         t0 = time.perf_counter()
-        key_scope = KeyScope(**scope)
-        if self.token_database.num_skipped(tokens, None, key_scope):
+        key_scope = _scope(scope)
+        if isinstance(tokens, int) and self.token_database.num_skipped(tokens, None, key_scope):
             raise ValueError("a lookup needs the chunk hashes from the first chunk on")
         lease = self.reservations.begin(lookup_id or "") if reserve else None
         misses: Counter[str] = Counter()
@@ -469,7 +490,7 @@ class LMCacheEngine:
         from every tier, so it is never served again."""
         target = self._target(kvcaches, slot_mapping, offset)
         checked = mismatched = 0
-        for start, end, key in self._chunks(tokens, None, KeyScope(**scope)):
+        for start, end, key in self._chunks(tokens, None, _scope(scope)):
             keys = self._object_keys(key)
             stored = [self.storage_manager.get_in_memory(k) for k in keys]  # no I/O: this is vLLM's step
             try:

@@ -150,12 +150,15 @@ class _KeyedDatabase:
     def scoped_keys(self, scope: KeyScope) -> Callable[[bytes], CacheEngineKey]:
         """Span hash (scope-free) -> key: the namespace digest and identity folded into the hash
         (`keys.scoped_hash`) and named in the key."""
-        ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
         if self._scopes is None or len(self._scopes) > self.SCOPE_CACHE_SIZE:
             self._scopes, self._key_cache_len = {}, 0
-        entry = self._scopes.get((ns_hex, identity))
+        # by the request's own (namespace, adapter): the two digests of key_scope are not taken
+        # again for every call (~25 us with caches cold, in a 0.5 ms lookup)
+        entry = self._scopes.get((scope.namespace, scope.adapter))
         if entry is None:
-            entry = self._scopes[(ns_hex, identity)] = (key_factory(self.metadata, self.fmt, ns_hex, identity), {})
+            ns_hex, identity = self.key_scope(scope.namespace, scope.adapter)
+            entry = self._scopes[(scope.namespace, scope.adapter)] = (
+                key_factory(self.metadata, self.fmt, ns_hex, identity), {})
         factory, cached = entry
 
         def make(span_hash: bytes) -> CacheEngineKey:

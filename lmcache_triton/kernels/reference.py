@@ -174,6 +174,13 @@ def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return a, b
 
 
+def _index_select_into(x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x[blocks], on the widest words the rows allow: 5.3 vs 5.0 GB/s for int32 or int64
+    against bf16's int16 (packed layout, block 16, 8 heads x 128: rows of 256 bytes)."""
+    x, out = _as_words(x, out)
+    torch.index_select(x, 0, blocks, out=out)
+
+
 # ---------------------------------------------------------------- per token
 
 def _per_token_gather(layers: Layers, vbo: tuple[torch.Tensor, ...], out_bits: torch.Tensor, kv: int, l: int,
@@ -235,7 +242,7 @@ def gather_into_ref(layers: Layers, slots: torch.Tensor, out4: torch.Tensor) -> 
             path_counts["gather.into_out"] += layers.num_layers * layers.num_kv
         for x, c in _block_pairs(layers, out_bits, n):
             if into_out:
-                torch.index_select(x, 0, blocks, out=c[:k])         # straight into out, any strides
+                _index_select_into(x, blocks, c[:k])                # straight into out, any strides
             else:
                 c.index_copy_(0, gids.to(c.device), x.index_select(0, blocks).to(c.device))
     if vbo is not None:
@@ -362,7 +369,7 @@ def gather_spans_ref(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple[
         ids = blocks.split(counts)
         for (x, _), views in zip(_cache_blocks(layers), _chunk_block_views(layers, [outs4[i] for i in run], counts)):
             for b, c in zip(ids, views):
-                torch.index_select(x, 0, b, out=c)
+                _index_select_into(x, b, c)
         tokens = spans[run[-1]][1] - lo
         path_counts["gather.blocks"] += tokens
         path_counts["gather.into_out"] += len(run) * layers.num_layers * layers.num_kv

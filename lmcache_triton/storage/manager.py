@@ -107,9 +107,9 @@ class StorageManager:
     def contains(self, key: CacheEngineKey) -> bool:
         return self.batched_contains([key]) == 1
 
-    def defer_prefault(self, seconds: float) -> None:
+    def defer_prefault(self, seconds: float, *, at_least: bool = False) -> None:
         """Holds off committing the CPU tier's pages ahead for `seconds` (see TensorMemoryPool)."""
-        self.cpu.pool.defer_prefault(seconds)
+        self.cpu.pool.defer_prefault(seconds, at_least=at_least)
 
     def contains_in_memory(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """Presence as far as it is known without I/O: the CPU tier and the lower tiers that index

@@ -357,11 +357,13 @@ class TensorMemoryPool:
         skipped because stores had allocated them (their own writes commit those)."""
         return 0 if self._prefaulter is None else self._prefaulter.committed
 
-    def defer_prefault(self, seconds: float) -> None:
-        """Committing ahead waits until `seconds` from now (replacing any earlier deferral). vLLM's
-        worker defers it while a step computes: on 2 cores, committing a 4 GB tier beside the
-        forward slowed the cold prefills of the first ~9 s after start from 2.4 s to 4-5 s."""
-        self._busy_until = time.monotonic() + seconds
+    def defer_prefault(self, seconds: float, *, at_least: bool = False) -> None:
+        """Committing ahead waits until `seconds` from now (replacing any earlier deferral; with
+        `at_least`, only ever later). vLLM's worker defers it while a step computes: on 2 cores,
+        committing a 4 GB tier beside the forward slowed the cold prefills of the first ~9 s after
+        start from 2.4 s to 4-5 s. The engine defers it around its own stores and retrieves."""
+        until = time.monotonic() + seconds
+        self._busy_until = max(self._busy_until, until) if at_least else until
 
     def wait_prefault(self, timeout: float | None = None) -> bool:
         """Waits until committing ahead has ended (finished, stopped or failed); True when it has
