@@ -352,26 +352,31 @@ def _stack_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return c0.as_strided((len(chunks), *c0.shape), (step // e, *c0.stride()))
 
 
+def _whole_block_runs(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple[int, int]],
+                      chunks4: Sequence[torch.Tensor], one_chunk, direction: str):
+    """The runs of consecutive whole-block chunks, as (their indices, their block ids, each one's
+    number of blocks); every other chunk is moved by `one_chunk` (the per-chunk path) instead."""
+    bs = layers.geometry.block_size
+    for run in _span_runs(spans, bs):
+        blocks = _run_blocks(layers, slots, spans, run) if len(run) > 1 else None
+        if blocks is None or any(chunks4[i].device != layers.device for i in run):
+            for i in run:
+                one_chunk(layers, slots[spans[i][0]:spans[i][1]], chunks4[i])
+            continue
+        yield run, blocks, [(spans[i][1] - spans[i][0]) // bs for i in run]
+        path_counts[f"{direction}.blocks"] += spans[run[-1]][1] - spans[run[0]][0]
+
+
 def gather_spans_ref(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple[int, int]],
                      outs4: Sequence[torch.Tensor]) -> None:
     """`gather_into_ref` of slots[start:end] into each out, for many chunks: the slots of a run of
     consecutive whole-block chunks are checked once, and each chunk is then one index_select per
     block view of the cache."""
-    bs = layers.geometry.block_size
-    for run in _span_runs(spans, bs):
-        blocks = _run_blocks(layers, slots, spans, run) if len(run) > 1 else None
-        if blocks is None or any(outs4[i].device != layers.device for i in run):
-            for i in run:
-                gather_into_ref(layers, slots[spans[i][0]:spans[i][1]], outs4[i])
-            continue
-        lo = spans[run[0]][0]
-        counts = [(spans[i][1] - spans[i][0]) // bs for i in run]
+    for run, blocks, counts in _whole_block_runs(layers, slots, spans, outs4, gather_into_ref, "gather"):
         ids = blocks.split(counts)
         for (x, _), views in zip(_cache_blocks(layers), _chunk_block_views(layers, [outs4[i] for i in run], counts)):
             for b, c in zip(ids, views):
                 _index_select_into(x, b, c)
-        tokens = spans[run[-1]][1] - lo
-        path_counts["gather.blocks"] += tokens
         path_counts["gather.into_out"] += len(run) * layers.num_layers * layers.num_kv
 
 
@@ -388,19 +393,11 @@ def scatter_spans_ref(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple
                       chunks4: Sequence[torch.Tensor]) -> None:
     """`scatter_from_ref` of each chunk into slots[start:end], for many chunks (as
     `gather_spans_ref`)."""
-    bs = layers.geometry.block_size
-    for run in _span_runs(spans, bs):
-        blocks = _run_blocks(layers, slots, spans, run) if len(run) > 1 else None
-        if blocks is None or any(chunks4[i].device != layers.device for i in run):
-            for i in run:
-                scatter_from_ref(layers, slots[spans[i][0]:spans[i][1]], chunks4[i])
-            continue
-        lo = spans[run[0]][0]
-        counts = [(spans[i][1] - spans[i][0]) // bs for i in run]
+    for run, blocks, counts in _whole_block_runs(layers, slots, spans, chunks4, scatter_from_ref, "scatter"):
         ids = blocks.split(counts)
         block_list = blocks.tolist()
-        pairs = _cache_blocks(layers)
-        for p, ((x, _), views) in enumerate(zip(pairs, _chunk_block_views(layers, [chunks4[i] for i in run], counts))):
+        views_by_pair = _chunk_block_views(layers, [chunks4[i] for i in run], counts)
+        for p, ((x, _), views) in enumerate(zip(_cache_blocks(layers), views_by_pair)):
             g0 = 0
             for b, c, n in zip(ids, views, counts):
                 if c[0].numel() > _GRAIN:   # see scatter_from_ref
@@ -411,7 +408,6 @@ def scatter_spans_ref(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple
                     xw, cw = _as_words(x, c)
                     xw.index_copy_(0, b, cw)
                 g0 += n
-        path_counts["scatter.blocks"] += spans[run[-1]][1] - lo
 
 
 def paged_gather_ref(kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, layout: str,
