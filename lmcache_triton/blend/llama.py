@@ -129,7 +129,7 @@ class VLLMLlamaLayerwise:
         self.head_size = attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.scale = float(attn.scaling)
-        self.rotary = RotaryInfo(rope.cos_sin_cache, is_neox=bool(rope.is_neox_style),
+        self.rotary = RotaryInfo(_fp32_cos_sin(rope), is_neox=bool(rope.is_neox_style),
                                  rotary_dim=int(rope.rotary_dim))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -176,3 +176,18 @@ def as_layerwise(model: Any) -> LayerwiseModel:
     if hasattr(attn, "q_proj") and hasattr(model, "lm_head"):
         return HFLlamaLayerwise(model)
     raise TypeError(f"cannot blend with {type(model).__name__}: not a Llama-shaped HF or vLLM model")
+
+
+def _fp32_cos_sin(rope) -> torch.Tensor:
+    """vLLM's cos/sin table in fp32, on its device: recomputed by the rotary module itself where it
+    can (`_compute_cos_sin_cache`, fp32 before vLLM casts it to the model's dtype), else the kept
+    table widened. K is re-rotated twice (to position 0 when stored, to its new position when
+    blended): through a bf16 table each adds rounding to the deviation score."""
+    kept = rope.cos_sin_cache
+    try:
+        exact = rope._compute_cos_sin_cache()
+    except Exception:  # noqa: BLE001 - a rotary class without it, or with other needs: widen the kept table
+        exact = None
+    if not isinstance(exact, torch.Tensor) or exact.shape != kept.shape:
+        exact = kept
+    return exact.to(device=kept.device, dtype=torch.float32)

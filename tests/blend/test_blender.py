@@ -196,3 +196,26 @@ def test_through_the_engine_and_paged_cache(model, case):
     finally:
         LMCBlenderBuilder.destroy("blend-e2e")
         LMCacheEngineBuilder.destroy("blend-e2e")
+
+
+def test_vllm_rotary_table_is_fp32_from_the_module_itself():
+    """The vLLM model adapter re-rotates K with an fp32 cos/sin table: recomputed by vLLM's rotary
+    module where it can (vLLM keeps it in the model's dtype), else the kept table widened."""
+    from types import SimpleNamespace
+
+    from lmcache_triton.blend.llama import _fp32_cos_sin
+
+    exact = torch.rand(64, 16, dtype=torch.float32)
+    kept = exact.to(torch.bfloat16)
+    assert not torch.equal(kept.float(), exact)
+    rope = SimpleNamespace(cos_sin_cache=kept, _compute_cos_sin_cache=lambda: exact.clone())
+    got = _fp32_cos_sin(rope)
+    assert got.dtype == torch.float32 and torch.equal(got, exact) and got.device == kept.device
+
+    def fails():
+        raise TypeError("needs arguments")
+
+    for broken in (fails, lambda: exact[:8]):   # no way to recompute it, or another shape
+        got = _fp32_cos_sin(SimpleNamespace(cos_sin_cache=kept, _compute_cos_sin_cache=broken))
+        assert got.dtype == torch.float32 and torch.equal(got, kept.float())
+    assert torch.equal(_fp32_cos_sin(SimpleNamespace(cos_sin_cache=kept)), kept.float())

@@ -196,11 +196,15 @@ class WorkerSide:
         layerwise = as_layerwise(model)
         rot, heads, head_size = layerwise.rotary, layerwise.num_kv_heads, layerwise.head_size
 
+        tables: dict[torch.device, torch.Tensor] = {}  # the cos/sin table where the stored K lies, copied once
+
         def to_position_zero(k: torch.Tensor, start: int) -> None:
+            table = tables.get(k.device)
+            if table is None:  # (a copy per call was the whole table per chunk and layer: ~1000 per 8K tokens)
+                table = tables[k.device] = rot.cos_sin_cache.to(k.device)
             k3 = k.view(k.shape[0], heads, head_size)
             pos = torch.arange(start, start + k.shape[0], device=k.device)
-            rope_rerotate(k3, pos, pos - start, rot.cos_sin_cache.to(k.device), is_neox=rot.is_neox,
-                          rotary_dim=rot.rotary_dim, out=k3)
+            rope_rerotate(k3, pos, pos - start, table, is_neox=rot.is_neox, rotary_dim=rot.rotary_dim, out=k3)
 
         return CacheMode(database, key_rotation=to_position_zero)
 
