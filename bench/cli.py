@@ -107,7 +107,9 @@ def plot_result(module: str, path: Path) -> Path:
         groups = {f"{r['tokens']} tokens": {"cold, vLLM alone": r["cold_without_ms"],
                                             "cold, with connector": r["cold_with_ms"], "warm (loaded)": r["warm_ms"],
                                             "warm floor": r["floor_ms"]} for r in data["rows"]}
-        return plot_bars(png, "vLLM TTFT: cold without / with the connector, warm vs its floor", groups, "ms")
+        # log scale: a 32K-token cold prefill takes minutes here, its warm load a third of a second
+        return plot_bars(png, "vLLM TTFT: cold without / with the connector, warm vs its floor", groups, "ms",
+                         log=True)
     return plot_bars(png, module.split(".")[-1], _rows_plot(path, module), "GB/s")
 
 

@@ -97,8 +97,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 
-def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str) -> Path:
-    """Grouped bars: groups = {x label: {series name: value}} (series absent from a group are skipped)."""
+def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabel: str, log: bool = False) -> Path:
+    """Grouped bars: groups = {x label: {series name: value}} (series absent from a group are skipped);
+    `log`: a logarithmic y axis (values that differ by orders of magnitude)."""
     plt = pyplot()
     series = list(dict.fromkeys(s for g in groups.values() for s in g))
     width = 0.8 / max(1, len(series))
@@ -109,6 +110,8 @@ def plot_bars(path: Path, title: str, groups: dict[str, dict[str, float]], ylabe
         ax.bar(xs, ys, width, label=s)
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))], list(groups), fontsize=8)
     ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
     ax.set_title(f"{title}\n{context()['device']}", fontsize=9)
     if len(series) > 1:
         ax.legend(fontsize=8)
