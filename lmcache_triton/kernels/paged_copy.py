@@ -297,6 +297,7 @@ class PagedTarget:
 
     def _move_many(self, kernel, chunks: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]], name: str) -> None:
         layers = self.layers
+        # Triton launches are per chunk anyway; one layer may come in the per-layer formats (_move)
         if use_triton(layers.device) or layers.num_layers == 1 or len(spans) < 2:
             for chunk, (start, end) in zip(chunks, spans, strict=True):
                 self._move(kernel, chunk, start, end, name)

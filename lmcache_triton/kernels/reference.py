@@ -91,20 +91,23 @@ def _arange_of(n: int, device: torch.device) -> torch.Tensor:
 _GRAIN = 32768
 
 
-def _stack(ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The layers' [num_blocks, ...] views as one [num_blocks, L, ...] view, where they lie equally
-    spaced in one allocation (vLLM's packed layouts; any cache made as one tensor); else None."""
+def _stack(ts: Sequence[torch.Tensor], at: int = 1) -> torch.Tensor | None:
+    """Tensors of one shape, strides and dtype lying equally spaced in one allocation, as one view
+    with a new axis `at` over them (at 1: the layers' [num_blocks, ...] views as one
+    [num_blocks, L, ...] view, as vLLM's packed layouts and any cache made as one tensor allow; at
+    0: a request's chunks, which the engine allocates one after the other); else None."""
     t0 = ts[0]
     if len(ts) == 1:
-        return t0.unsqueeze(1)
+        return t0.unsqueeze(at)
     e, base = t0.element_size(), t0.data_ptr()
     step = ts[1].data_ptr() - base
-    if step <= 0 or step % e or any(t.data_ptr() - base != l * step for l, t in enumerate(ts)):
+    if step <= 0 or step % e:
         return None
     storage = t0.untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() != storage for t in ts):
+    if any(t.data_ptr() - base != l * step or t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype
+           or t.untyped_storage().data_ptr() != storage for l, t in enumerate(ts)):
         return None
-    return t0.as_strided([t0.shape[0], len(ts), *t0.shape[1:]], [t0.stride(0), step // e, *t0.stride()[1:]])
+    return t0.as_strided([*t0.shape[:at], len(ts), *t0.shape[at:]], [*t0.stride()[:at], step // e, *t0.stride()[at:]])
 
 
 def _cache_blocks(layers: Layers) -> list[tuple[torch.Tensor, tuple]]:
@@ -148,10 +151,11 @@ def _cache_blocks(layers: Layers) -> list[tuple[torch.Tensor, tuple]]:
 
 
 def _chunk_blocks(layers: Layers, chunk_bits: torch.Tensor, n: int) -> torch.Tensor:
-    """The chunk's first n groups of block_size tokens as [n, L, num_kv, bs, heads, head_size]."""
+    """The chunk's first n groups of block_size tokens as [n, L, num_kv, bs, heads, head_size]
+    (chunks stacked on leading axes keep them: [k, n, ...])."""
     g = layers.geometry
-    chunk = chunk_bits[:, :, : n * g.block_size].unflatten(2, (n, g.block_size))
-    return chunk.unflatten(-1, (g.num_kv_heads, g.head_size)).permute(2, 1, 0, 3, 4, 5)
+    chunk = chunk_bits[..., : n * g.block_size, :].unflatten(-2, (n, g.block_size))
+    return chunk.unflatten(-1, (g.num_kv_heads, g.head_size)).transpose(-6, -4)
 
 
 def _block_pairs(layers: Layers, chunk_bits: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -299,11 +303,7 @@ def _run_blocks(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple[int, 
                 run: list[int]) -> torch.Tensor | None:
     """The block ids of a run of whole-block spans, where every group of block_size tokens fills
     one block in order; None where some do not (those spans take the per-chunk path)."""
-    bs = layers.geometry.block_size
-    lo, hi = spans[run[0]][0], spans[run[-1]][1]
-    if (hi - lo) % bs:
-        return None
-    gids, blocks, rest = _whole_blocks(slots[lo:hi], bs)
+    _, blocks, rest = _whole_blocks(slots[spans[run[0]][0]:spans[run[-1]][1]], layers.geometry.block_size)
     return blocks.long() if rest is None else None
 
 
@@ -320,36 +320,17 @@ def _chunk_block_views(layers: Layers, chunks4: Sequence[torch.Tensor], counts: 
         j = i + 1
         while j < len(chunks4) and counts[j] == counts[i]:
             j += 1
-        group = _stack_chunks(chunks4[i:j]) if j - i > 1 else None
+        group = _stack(chunks4[i:j], at=0) if j - i > 1 else None
         if group is None:
             j = i + 1
             group = chunks4[i].unsqueeze(0)
         else:
             path_counts["chunks.stacked"] += j - i
-        g = layers.geometry
-        n = counts[i]
-        blocks = as_bits(group)[:, :, :, : n * g.block_size].unflatten(3, (n, g.block_size))
-        blocks = blocks.unflatten(-1, (g.num_kv_heads, g.head_size)).permute(0, 3, 2, 1, 4, 5, 6)
+        blocks = _chunk_blocks(layers, as_bits(group), counts[i])
         for p, (_, index) in enumerate(pairs):
             views[p].extend(blocks[(slice(None), *index)].unbind(0))
         i = j
     return views
-
-
-def _stack_chunks(chunks: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The chunks as one [k, ...] view, where they have one shape and strides and lie equally
-    spaced in one allocation; else None."""
-    c0 = chunks[0]
-    e, base = c0.element_size(), c0.data_ptr()
-    step = chunks[1].data_ptr() - base
-    if step <= 0 or step % e:
-        return None
-    storage = c0.untyped_storage().data_ptr()
-    for j, c in enumerate(chunks):
-        if (c.data_ptr() - base != j * step or c.shape != c0.shape or c.stride() != c0.stride()
-                or c.dtype != c0.dtype or c.untyped_storage().data_ptr() != storage):
-            return None
-    return c0.as_strided((len(chunks), *c0.shape), (step // e, *c0.stride()))
 
 
 def _whole_block_runs(layers: Layers, slots: torch.Tensor, spans: Sequence[tuple[int, int]],
