@@ -10,9 +10,10 @@ Per layer l, for a prompt of T tokens whose cached segments were each computed a
 3. Fresh q/k/v for the rows being recomputed. Before the first check layer that is every row (as
    LMCache: the first layers are cheap and give the deviation its meaning).
 4. At a check layer (`blend_check_layers`, default [1]): `kv_deviation` between fresh and cached K
-   over the rows being recomputed; keep the top `blend_recompute_ratios[i]` share of them
-   (`select_recompute_tokens`) plus rows that must be recomputed: uncached tokens (nothing to reuse)
-   and the last token (its hidden state gives the logits). Only those rows' hidden states go on.
+   over the rows being recomputed; keep the rows that must be recomputed, uncached tokens (nothing
+   to reuse) and the last token (its hidden state gives the logits), plus the `blend_recompute_ratios[i]`
+   share of the rows being recomputed taken from the other rows of largest deviation
+   (`top_deviation_rows`). Only those rows' hidden states go on.
 5. `selective_write` the fresh K/V of the recomputed rows over the cached rows; attention of the
    recomputed rows reads this blended KV, which is also what the source writes back (vLLM's paged
    cache), so decoding sees the same KV the prefill attended to.
@@ -20,6 +21,11 @@ Per layer l, for a prompt of T tokens whose cached segments were each computed a
 Ratio 1.0 recomputes every row at every layer, i.e. a full prefill. A ratio applies to the rows
 still being recomputed at its check layer (several check layers narrow the set step by step).
 Stored segment KV is kept as if the segment started at position 0 (see `segment_positions`).
+
+Nothing in a layer waits for the device: every size is known on the host (the rows that must be
+recomputed are counted once, from the host mask of cached rows, and never leave the set), and no
+check reads a GPU tensor's values. What the host hands over (tokens, the mask, positions) goes to
+the device from pinned memory without waiting. (`tests/blend/test_host_syncs.py` counts them.)
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ import torch
 
 from lmcache_triton.blend.llama import as_layerwise
 from lmcache_triton.blend.model import LayerwiseModel
-from lmcache_triton.kernels import (kv_deviation, paged_scatter_layer, rope_rerotate, select_recompute_tokens,
-                                    selective_write)
+from lmcache_triton.kernels import (kv_deviation, num_recompute_tokens, paged_scatter_layer, rope_rerotate,
+                                    selective_write, top_deviation_rows)
+from lmcache_triton.kernels.common import to_device
 
 
 class KVSource(Protocol):
@@ -115,13 +122,15 @@ class RetrieverKVSource:
 
 def segment_positions(num_tokens: int, ranges: Sequence[tuple[int, int]], device: torch.device | str = "cpu"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cached_mask, cached_positions) for segments [start, end) each stored as if starting at position 0."""
-    mask = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    pos = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    """(cached_mask, cached_positions) for segments [start, end) each stored as if starting at position 0.
+    Built on the host and sent without a wait (the blender reads the mask's values on the host)."""
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    pos = torch.zeros(num_tokens, dtype=torch.int64)
     for s, e in ranges:
         mask[s:e] = True
-        pos[s:e] = torch.arange(e - s, device=device)
-    return mask, pos
+        pos[s:e] = torch.arange(e - s)
+    device = torch.device(device)
+    return to_device(mask, device), to_device(pos, device)
 
 
 @dataclass
@@ -132,6 +141,18 @@ class BlendResult:
     recompute_indices: torch.Tensor  # int64 rows recomputed after the last check layer
     num_layers_full: int = 0        # layers computed for every token (before the first check layer)
     layer_rows: list[int] = field(default_factory=list)  # rows recomputed per layer
+
+
+def _must_recompute(cached_mask: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
+    """(bool [T] on the host, its count): the rows recomputed whatever their deviation, uncached
+    rows and the last one. Read on the host, so that every later size is known there."""
+    if not isinstance(cached_mask, torch.Tensor) or cached_mask.shape != (num_tokens,):
+        raise ValueError(f"cached_mask must be a tensor of shape ({num_tokens},) (one per token), got "
+                         f"{getattr(cached_mask, 'shape', type(cached_mask).__name__)}")
+    host = cached_mask.to("cpu", torch.bool).numpy()  # a view, no copy, for a host mask
+    must = ~host
+    must[-1] = True
+    return torch.from_numpy(must), int(must.sum())
 
 
 class LMCBlender:
@@ -162,19 +183,22 @@ class LMCBlender:
         i's cached K was rotated at (default: `positions`, i.e. no re-rotation). `positions`: this
         prompt's positions (default 0..T-1, shift it when the prompt follows a prefix vLLM holds).
         `keep_kv=False` leaves `BlendResult.kv` empty (the source already wrote the KV back).
+        Give `cached_mask` in host memory: its values are read there (one wait for the device when
+        it is a GPU tensor, the only one of the blend).
         """
         m = self.model
         rot = m.rotary
         device = rot.cos_sin_cache.device
-        tokens = torch.as_tensor(tokens, dtype=torch.int64).to(device)
+        tokens = to_device(torch.as_tensor(tokens, dtype=torch.int64), device)
         T = len(tokens)
         if T == 0:
             raise ValueError("nothing to blend: no tokens")
-        positions = torch.arange(T, device=device) if positions is None else positions.to(device, torch.int64)
-        cached = cached_mask.to(device, torch.bool)
+        must, num_must = _must_recompute(cached_mask, T)
+        positions = torch.arange(T, device=device) if positions is None else to_device(positions.long(), device)
+        cached = to_device(cached_mask.bool(), device)
         old_pos = positions if cached_positions is None else torch.where(
-            cached, cached_positions.to(device, torch.int64), positions)
-        must = torch.unique(torch.cat([(~cached).nonzero().flatten(), torch.tensor([T - 1], device=device)]))
+            cached, to_device(cached_positions.long(), device), positions)
+        must = to_device(must, device)   # over the rows being recomputed: rows[i] must stay iff must[i]
         rows = torch.arange(T, device=device)
         first_check = self.check_layers[0] if self.check_layers else m.num_layers
         hidden = m.embed(tokens)
@@ -192,14 +216,13 @@ class LMCBlender:
                 rope_rerotate(K, old_pos, positions, rot.cos_sin_cache, is_neox=rot.is_neox,
                               rotary_dim=rot.rotary_dim, out=K)
             if layer in self.check_layers:
-                full = len(rows) == T
-                dev = kv_deviation(k.to(K.dtype), K if full else K[rows])
-                # Uncached rows hold no KV to compare; they are recomputed anyway (`must`), so keep
-                # them out of the top-k, whose budget is for cached rows that went stale.
-                dev = dev.masked_fill(~cached[rows], -1.0)
-                keep = select_recompute_tokens(dev, self._ratio(self.check_layers.index(layer)),
-                                               always=torch.searchsorted(rows, must))
-                rows, hidden, q, k, v = rows[keep], hidden[keep], q[keep], k[keep], v[keep]
+                n = len(rows)  # a size: known on the host
+                dev = kv_deviation(k.to(K.dtype), K if n == T else K[rows])
+                # The rows that must be recomputed come first and do not use the budget, which is for
+                # cached rows that went stale (uncached rows have no KV to compare).
+                budget = min(num_recompute_tokens(self._ratio(self.check_layers.index(layer)), n), n - num_must)
+                keep = top_deviation_rows(dev, budget + num_must, first=must)
+                rows, must, hidden, q, k, v = rows[keep], must[keep], hidden[keep], q[keep], k[keep], v[keep]
             selective_write(K, k.to(K.dtype), rows)
             selective_write(V, v.to(V.dtype), rows)
             attn = m.attention(layer, q, K.to(q.dtype), V.to(q.dtype), rows)

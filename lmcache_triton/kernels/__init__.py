@@ -21,12 +21,13 @@ __all__ = [
 
 # CacheBlend: RoPE re-rotation of reused K, K deviation, recompute selection, selective row writes.
 from .blend import (kv_deviation, kv_deviation_ref, num_recompute_tokens, select_recompute_tokens,
-                    select_recompute_tokens_ref, selective_write, selective_write_ref)
+                    select_recompute_tokens_ref, selective_write, selective_write_ref, top_deviation_rows,
+                    top_deviation_rows_ref)
 from .rope import rope_rerotate, rope_rerotate_ref
 
 __all__ += [
     "rope_rerotate", "rope_rerotate_ref",
     "kv_deviation", "kv_deviation_ref", "num_recompute_tokens",
-    "select_recompute_tokens", "select_recompute_tokens_ref",
+    "select_recompute_tokens", "select_recompute_tokens_ref", "top_deviation_rows", "top_deviation_rows_ref",
     "selective_write", "selective_write_ref",
 ]

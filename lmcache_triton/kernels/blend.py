@@ -9,6 +9,9 @@ cached rows:
   in fp32. Triton: one program per BLOCK_T tokens, looping over the row in BLOCK_D columns.
 - :func:`select_recompute_tokens`: the ceil(ratio * T) tokens of largest deviation (ties -> lower
   index), plus ``always``; sorted int64 indices. Plain torch on purpose (see the function).
+- :func:`top_deviation_rows`: the same order with a count the caller knows and rows forced in
+  first (a mask): what the blender uses per layer, because its result has a size known on the host
+  and so never waits for the device (``always``'s union has a size only the device knows).
 - :func:`selective_write`: ``dst[indices[i]] = src[i]`` along dim 0, -1 skipped, bit-exact for any
   dtype (moved as the integer type of its width), e.g. recomputed tokens' K/V into the blend buffer
   [T, hidden]. For vLLM's *paged* cache no new kernel is needed: the existing
@@ -16,7 +19,9 @@ cached rows:
   write of the recomputed tokens' KV_T2D rows into their slots.
 
 Every launcher validates its inputs and raises ValueError naming the argument; CUDA tensors run the
-Triton kernels, CPU tensors the torch references (or the kernels under TRITON_INTERPRET=1).
+Triton kernels, CPU tensors the torch references (or the kernels under TRITON_INTERPRET=1). Checks
+that read a tensor's values run where they are free, on host tensors: on a GPU they would wait for
+the device once per call, per layer in the blender (the kernels bound every index themselves).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import common
 from .common import as_bits, on_device, use_triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -127,7 +133,7 @@ def _check_selection(deviation, ratio, always) -> tuple[int, torch.Tensor | None
         raise ValueError(f"always must be a 0-d/1-D int32/int64 tensor, got {always.dtype} "
                          f"of shape {tuple(always.shape)}")
     always = always.reshape(-1).to(deviation.device, torch.int64)
-    if always.numel() and (int(always.min()) < 0 or int(always.max()) >= num_tokens):
+    if always.numel() and (int(always.min()) < 0 or int(always.max()) >= num_tokens):  # its union syncs anyway
         raise ValueError(f"always must hold token indices in [0, {num_tokens}), got "
                          f"[{int(always.min())}, {int(always.max())}]")
     return k, always
@@ -151,20 +157,65 @@ def select_recompute_tokens(deviation: torch.Tensor, ratio: float, *,
     ties go to the lower index, NaN counts as +inf (a broken row is recomputed). ``always`` (int token
     indices in [0, T), e.g. the last token) are added when not already selected. ratio in [0, 1] else
     ValueError; ratio 0 -> only ``always``, ratio 1 -> all tokens. See :func:`num_recompute_tokens`.
+
+    Without ``always`` nothing waits for the device. With it, the union's size is known only there
+    (one host sync); :func:`top_deviation_rows` is the sync-free form.
+    """
+    k, always = _check_selection(deviation, ratio, always)
+    chosen = top_deviation_rows(deviation, k)
+    if always is not None and always.numel():
+        chosen = torch.unique(torch.cat([chosen, always]), sorted=True)
+    return chosen
+
+
+def _sort_key(deviation: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    # NaN and +inf both become the largest finite float (a broken row ranks above every real one,
+    # ties to the lower index), so that +inf is free to mark the forced rows above them all.
+    key = torch.nan_to_num(deviation.float(), nan=_FMAX, posinf=_FMAX)
+    return key if first is None else key.masked_fill(first, math.inf)
+
+
+_FMAX = torch.finfo(torch.float32).max
+
+
+def _check_top(deviation, n, first) -> None:
+    if not isinstance(deviation, torch.Tensor) or deviation.dim() != 1 or not deviation.is_floating_point():
+        raise ValueError(f"deviation must be a 1-D float tensor [T], got "
+                         f"{getattr(deviation, 'dtype', type(deviation).__name__)} of shape "
+                         f"{tuple(getattr(deviation, 'shape', ()))}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= deviation.numel():
+        raise ValueError(f"n must be an int in [0, {deviation.numel()}] (the rows to keep), got {n!r}")
+    if first is not None and (not isinstance(first, torch.Tensor) or first.dtype != torch.bool
+                              or first.shape != deviation.shape or first.device != deviation.device):
+        raise ValueError(f"first must be a bool mask of deviation's shape {tuple(deviation.shape)} on "
+                         f"{deviation.device}, got {getattr(first, 'dtype', type(first).__name__)} of shape "
+                         f"{tuple(getattr(first, 'shape', ()))} on {getattr(first, 'device', None)}")
+
+
+def top_deviation_rows_ref(deviation: torch.Tensor, n: int, *, first: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of :func:`top_deviation_rows`, written independently: a Python sort."""
+    _check_top(deviation, n, first)
+    dev = [math.inf if math.isnan(x) else x for x in deviation.double().cpu().tolist()]
+    forced = [False] * len(dev) if first is None else first.cpu().tolist()
+    order = sorted(range(len(dev)), key=lambda i: (not forced[i], -dev[i], i))
+    return torch.tensor(sorted(order[:n]), dtype=torch.int64, device=deviation.device)
+
+
+def top_deviation_rows(deviation: torch.Tensor, n: int, *, first: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 indices, ascending, of ``n`` rows of ``deviation`` (float [T]): the rows of the bool
+    mask ``first`` before any other (in index order), then the largest deviations (ties to the lower
+    index, NaN as +inf). With as many ``first`` rows as the caller counts on the host, ``n = k +
+    that count`` keeps all of them plus the k largest of the rest, in a size known without waiting
+    for the device: the blender's selection, per check layer, sync-free.
     """
     # Plain torch on purpose: this is a selection over T scalars (a few thousand per layer), one
     # sort of T floats, microseconds on a GPU, dwarfed by the attention it saves. A Triton top-k would
     # add code and no speed. It must be exact and deterministic: torch.topk does not promise an order
     # among equal values, so a *stable* descending sort is used, which keeps equal values in index
-    # order (lower index first); the first k of that order are the answer.
-    k, always = _check_selection(deviation, ratio, always)
-    dev = deviation.float()
-    dev = torch.where(torch.isnan(dev), torch.full_like(dev, math.inf), dev)
-    order = torch.sort(dev, descending=True, stable=True).indices
-    chosen = order[:k]
-    if always is not None and always.numel():
-        chosen = torch.cat([chosen, always])
-    return torch.unique(chosen, sorted=True).to(torch.int64)
+    # order (lower index first); the first n of that order are the answer.
+    _check_top(deviation, n, first)
+    order = torch.sort(_sort_key(deviation, first), descending=True, stable=True).indices
+    return torch.sort(order[:n]).values.to(torch.int64)
 
 
 # ------------------------------------------------------------------------------ selective_write
@@ -205,8 +256,9 @@ def _check_write(dst, src, indices) -> None:
         raise ValueError(f"src ({src.device}) and indices ({indices.device}) must be on dst's device {dst.device}")
     if dst.element_size() not in (1, 2, 4, 8):
         raise ValueError(f"dst has unsupported dtype {dst.dtype}")
-    if indices.numel():
-        # One device->host sync: an out-of-range index would write outside dst.
+    if indices.numel() and common.in_host_memory(indices):
+        # Checked where it is free. On a GPU it would wait for the device, per layer in the blender;
+        # the kernel skips a row outside dst itself (tests/kernels/test_slot_bounds.py).
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= dst.shape[0]:
             raise ValueError(f"indices must lie in [0, {dst.shape[0]}) or be -1 (skip), got [{lo}, {hi}]")
@@ -224,8 +276,9 @@ def selective_write(dst: torch.Tensor, src: torch.Tensor, indices: torch.Tensor)
     """``dst[indices[i]] = src[i]`` along dim 0 for every i with ``indices[i] >= 0`` (-1 is skipped).
 
     dst [N, ...] and src [len(indices), ...] share the row shape and dtype (any dtype; moved bit for
-    bit). indices must be unique (duplicates leave an unspecified winner) and in [0, N) or -1; the
-    range is checked (one host sync). Rows of dst not named are left untouched.
+    bit). indices must be unique (duplicates leave an unspecified winner) and in [0, N) or -1: host
+    indices are checked (ValueError), on a GPU a row outside dst is skipped (a check there would wait
+    for the device). Rows of dst not named are left untouched.
     """
     _check_write(dst, src, indices)
     if not use_triton(dst.device):

@@ -43,6 +43,25 @@ def on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values costs no wait for a device. Launcher checks that read values
+    (index ranges) run only then: on a GPU each would be a host sync per call, and the kernels bound
+    their indices themselves. (Tests patch it to walk the GPU branch on a CPU.)"""
+    return t.device.type == "cpu"
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without a host wait. A pageable host tensor's copy to a GPU blocks the
+    host until it has landed, i.e. until the stream has run everything queued before it; from pinned
+    memory the copy is queued on the stream like the kernels that read it (the pinned block is not
+    reused before the copy is done: torch's host allocator records it on the stream)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 # Copies never convert: every dtype is moved as the integer type of its width.
 _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

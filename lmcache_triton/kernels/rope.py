@@ -24,14 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import common
 from .common import on_device, use_triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_ELEMS = 2048  # per operand tile (x1, x2, cos, sin each): keeps registers modest on a GPU
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _rope_rerotate_kernel(k_ptr, out_ptr, delta_ptr, cache_ptr, num_rows,
+@triton.jit(do_not_specialize=["num_rows", "num_positions"])
+def _rope_rerotate_kernel(k_ptr, out_ptr, delta_ptr, cache_ptr, num_rows, num_positions,
                           k_stride_t, k_stride_h, k_stride_d,
                           o_stride_t, o_stride_h, o_stride_d,
                           c_stride_p, c_stride_d,
@@ -47,6 +48,7 @@ def _rope_rerotate_kernel(k_ptr, out_ptr, delta_ptr, cache_ptr, num_rows,
     delta = tl.load(delta_ptr + tok, mask=row_ok, other=0).to(tl.int64)
     pos = tl.where(delta < 0, -delta, delta)
     sign = tl.where(delta < 0, -1.0, 1.0)
+    row_ok = row_ok & (pos < num_positions)  # not checked on the host for GPU positions: never read past the table
 
     i = tl.arange(0, HALF_PAD).to(tl.int64)
     # Masks from tensor comparisons only (the 3.9 interpreter rejects tensor & scalar bool).
@@ -123,8 +125,10 @@ def _check(k, old_positions, new_positions, cos_sin_cache, rotary_dim, out) -> t
             raise ValueError(f"out must match k ({tuple(k.shape)}, {k.dtype}, {k.device}), got "
                              f"({tuple(out.shape)}, {out.dtype}, {out.device})")
     delta = new_positions.long() - old_positions.long()
-    if num_tokens:
-        # One device->host sync: an out-of-range row would read past the cache.
+    if num_tokens and common.in_host_memory(delta):
+        # Checked where it is free. On a GPU it would wait for the device, per layer in the blender;
+        # there the kernel leaves a row whose |delta| is past the table unwritten instead of reading
+        # past it (positions the model rotated q/k at are rows of its own table).
         max_delta = int(delta.abs().max())
         if max_delta >= cos_sin_cache.shape[0]:
             raise ValueError(f"new_positions - old_positions reaches |delta| = {max_delta}, but cos_sin_cache "
@@ -172,7 +176,8 @@ def rope_rerotate(k: torch.Tensor, old_positions: torch.Tensor, new_positions: t
     ``is_neox`` picks rotate-halves (True) or GPT-J interleaved pairs (False); dims >= ``rotary_dim``
     (default head_size) pass through unchanged. Computes in fp32, writes k's dtype into ``out``
     (a new tensor when None; may be ``k`` for in place) and returns it. Raises ValueError naming the
-    bad argument, including when any |new - old| >= max_position (this costs one host sync).
+    bad argument, including when any |new - old| >= max_position for positions in host memory (on a
+    GPU that check would wait for the device: the kernel leaves such a row of ``out`` unwritten).
     CUDA tensors run the Triton kernel; CPU tensors the torch reference (or the kernel under
     TRITON_INTERPRET=1).
     """
@@ -194,7 +199,7 @@ def rope_rerotate(k: torch.Tensor, old_positions: torch.Tensor, new_positions: t
     in_place = out.data_ptr() == k.data_ptr() and out.stride() == k.stride()
     with on_device(k.device):
         _rope_rerotate_kernel[grid](
-            k, out, delta, cos_sin_cache, num_rows,
+            k, out, delta, cos_sin_cache, num_rows, cos_sin_cache.shape[0],
             *k.stride(), *out.stride(), *cos_sin_cache.stride(),
             NUM_HEADS=num_heads, HALF=half, PASS=passthrough,
             COPY_PASS=passthrough > 0 and not in_place, IS_NEOX=bool(is_neox),

@@ -92,3 +92,48 @@ def stop_session(proc, grace_s: float = 20.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Records the torch calls that make the host wait for the device when their tensor is on a GPU:
+    reading values (`item`, `int()`, `float()`, `bool()`, `tolist`, `numpy`), copies to the host
+    (`cpu`; not `.to(device)`, which a CPU run cannot tell from a copy to the GPU), and ops whose output size depends on the values (`nonzero`, `unique`,
+    `masked_select`, indexing by a bool mask, one-argument `where`, `repeat_interleave` without
+    `output_size`). On a CPU they cost nothing, but they are where a GPU run would wait, so a CPU
+    test can count them. Calls on the tensors in `host` (the caller's inputs, in host memory
+    anyway) are not recorded. `calls` lists (function name, step) with `step` set by the caller.
+    """
+
+    _READS = {"item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__",
+              "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "nonzero_static"}
+
+    def __init__(self, host: tuple[torch.Tensor, ...] = ()) -> None:
+        super().__init__()
+        self._host = {id(t) for t in host}
+        self.calls: list[tuple[str, object]] = []
+        self.step: object = None
+
+    @staticmethod
+    def _is_mask(index: object) -> bool:
+        items = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+    def _waits(self, name: str, args: tuple, kwargs: dict) -> bool:
+        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._host:
+            return False
+        if name in self._READS:
+            return True
+        if name in ("__getitem__", "__setitem__"):
+            return len(args) > 1 and self._is_mask(args[1])
+        if name == "where":
+            return len(args) + len(kwargs) == 1
+        if name == "repeat_interleave":
+            return "output_size" not in kwargs and not (args and isinstance(args[-1], int) and len(args) == 2)
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if self._waits(name, args, kwargs):
+            self.calls.append((name, self.step))
+        return func(*args, **kwargs)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lmcache_triton.kernels import (kv_deviation, kv_deviation_ref, num_recompute_tokens, select_recompute_tokens,
-                                    select_recompute_tokens_ref, selective_write, selective_write_ref, use_triton)
+                                    select_recompute_tokens_ref, selective_write, selective_write_ref, top_deviation_rows,
+                                    top_deviation_rows_ref, use_triton)
 
 SENTINEL = 0x5A
 
@@ -229,3 +230,58 @@ def test_triton_path_is_exercised():
     if torch.cuda.is_available():
         return
     assert use_triton(torch.device("cpu")), "TRITON_INTERPRET was not set before the kernels were imported"
+
+
+def _mask(T, rows):
+    m = torch.zeros(T, dtype=torch.bool)
+    m[list(rows)] = True
+    return m
+
+
+TOP = [
+    pytest.param(torch.tensor([5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 0.5]), 3, None, id="ties-lower-index"),
+    pytest.param(torch.tensor([5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 0.5]), 3, [6], id="forced-low-deviation"),
+    pytest.param(torch.tensor([5.0, 1.0, 5.0, 1.0, 5.0, 1.0, 0.5]), 3, [0, 2, 4], id="forced-are-the-top"),
+    pytest.param(torch.tensor([1.0, float("nan"), float("inf"), 3.0, -float("inf"), 0.0]), 4, [5], id="nan-inf"),
+    pytest.param(torch.tensor([float("nan")] * 5 + [0.0]), 2, [5], id="forced-beats-nan"),
+    pytest.param(torch.rand(37, generator=torch.Generator().manual_seed(8)), 37, [3, 36], id="all"),
+    pytest.param(torch.rand(37, generator=torch.Generator().manual_seed(9)), 2, [0, 1], id="only-forced"),
+    pytest.param(torch.rand(37, generator=torch.Generator().manual_seed(10)).half(), 9, [36], id="fp16"),
+    pytest.param(torch.rand(1), 1, [0], id="T1"),
+    pytest.param(torch.empty(0), 0, None, id="T0"),
+]
+
+
+@pytest.mark.parametrize("deviation,n,forced", TOP)
+def test_top_deviation_rows_matches_reference(deviation, n, forced, device):
+    T = deviation.numel()
+    first = None if forced is None else _mask(T, forced).to(device)
+    deviation = deviation.to(device)
+    got = top_deviation_rows(deviation, n, first=first)
+    ref = top_deviation_rows_ref(deviation, n, first=first)
+    assert got.dtype == torch.int64 and got.device == deviation.device
+    assert torch.equal(got.cpu(), ref.cpu())
+    assert got.numel() == n and torch.equal(got, torch.sort(got).values)
+    assert set(forced or []) <= set(got.tolist())
+
+
+def test_top_deviation_rows_is_the_selection_without_always():
+    dev = torch.rand(100, generator=torch.Generator().manual_seed(11))
+    for ratio in (0.0, 0.15, 0.5, 1.0):
+        assert torch.equal(top_deviation_rows(dev, num_recompute_tokens(ratio, 100)),
+                           select_recompute_tokens(dev, ratio))
+
+
+@pytest.mark.parametrize("fn", [pytest.param(top_deviation_rows, id="torch"),
+                                pytest.param(top_deviation_rows_ref, id="ref")])
+@pytest.mark.parametrize("deviation,n,first,name", [
+    pytest.param(torch.rand(5), 6, None, "n", id="n-too-big"),
+    pytest.param(torch.rand(5), -1, None, "n", id="n-neg"),
+    pytest.param(torch.rand(5), 2.0, None, "n", id="n-float"),
+    pytest.param(torch.arange(5), 2, None, "deviation", id="dev-int"),
+    pytest.param(torch.rand(5), 2, torch.tensor([0, 1]), "first", id="first-indices"),
+    pytest.param(torch.rand(5), 2, torch.zeros(4, dtype=torch.bool), "first", id="first-shape"),
+])
+def test_top_deviation_rows_bad_input(fn, deviation, n, first, name):
+    with pytest.raises(ValueError, match=name):
+        fn(deviation, n, first=first)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_triton.kernels import rope_rerotate, rope_rerotate_ref, use_triton
+from lmcache_triton.kernels import common, rope_rerotate, rope_rerotate_ref, use_triton
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 SENTINEL = -7.0
@@ -159,9 +159,40 @@ def _args(device, **over):
     return a
 
 
+OUT_OF_TABLE = [
+    pytest.param(dict(new_positions=torch.arange(6) + 16), id="delta-too-large"),
+    pytest.param(dict(old_positions=torch.arange(6) + 19), id="neg-delta-too-large"),
+]
+
+
+@pytest.mark.parametrize("fn", [pytest.param(rope_rerotate, id="triton"), pytest.param(rope_rerotate_ref, id="ref")])
+@pytest.mark.parametrize("over", OUT_OF_TABLE)
+def test_host_positions_past_the_table_raise(fn, over):
+    a = _args("cpu", **over)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        fn(a.pop("k"), a.pop("old_positions"), a.pop("new_positions"), a.pop("cos_sin_cache"), **a)
+
+
+@pytest.mark.parametrize("over", OUT_OF_TABLE)
+@pytest.mark.parametrize("in_place", [pytest.param(False, id="out"), pytest.param(True, id="in-place")])
+def test_device_positions_past_the_table_leave_rows_unwritten(over, in_place, device, monkeypatch):
+    """GPU positions are not checked on the host (a sync per layer in the blender): the kernel
+    leaves a row whose |delta| is past the table unwritten and never reads past the table."""
+    monkeypatch.setattr(common, "in_host_memory", lambda t: False)  # the GPU branch, also on a CPU
+    over = {key: v.to(device) for key, v in over.items()}
+    a = _args(device, **over)
+    k, old, new, table = a.pop("k"), a.pop("old_positions"), a.pop("new_positions"), a.pop("cos_sin_cache")
+    old, new = old.clone(), new.clone()
+    old[:2], new[:2] = 1, 4  # two rows inside the table
+    out = k.clone() if in_place else torch.full_like(k, 7.0)
+    before = out.clone()
+    rope_rerotate(out if in_place else k, old, new, table, out=out, **a)
+    want = rope_rerotate_ref(k[:2], old[:2], new[:2], table, **a)
+    torch.testing.assert_close(out[:2], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[2:], before[2:])
+
+
 BAD = [
-    pytest.param(dict(new_positions=torch.arange(6) + 16), "cos_sin_cache", id="delta-too-large"),
-    pytest.param(dict(old_positions=torch.arange(6) + 19), "cos_sin_cache", id="neg-delta-too-large"),
     pytest.param(dict(old_positions=torch.arange(5)), "old_positions", id="old-len"),
     pytest.param(dict(new_positions=torch.arange(6).float()), "new_positions", id="new-dtype"),
     pytest.param(dict(k=torch.randn(6, 32)), "k", id="k-2d"),

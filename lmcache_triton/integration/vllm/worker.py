@@ -32,6 +32,7 @@ from lmcache_triton.integration.vllm.common import (
 from lmcache_triton.integration.vllm.saver import AsyncSaver
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, ReqMeta
 from lmcache_triton.kernels import kv_geometry
+from lmcache_triton.kernels.common import to_device
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
 from lmcache_triton.integration.vllm.pd import PDReceiver, PDSender, rank_port
 from lmcache_triton.integration.vllm.offload_server import OffloadMsg, ZMQOffloadServer, new_job_id
@@ -222,10 +223,7 @@ class WorkerSide:
         """A request's slots on the cache's device without a host wait: a pageable host tensor's
         copy to a GPU blocks the host until it lands (once per request, and inside save_kv_layer);
         from pinned memory it is queued on the stream like the kernels that read it."""
-        device = self.kvcaches[0].device
-        if device.type != "cuda" or slots.device == device:
-            return slots
-        return slots.pin_memory().to(device, non_blocking=True)
+        return to_device(slots, self.kvcaches[0].device)
 
     # ---- loads ---------------------------------------------------------------------------------
     def _meta(self) -> LMCacheConnectorMetadata:
