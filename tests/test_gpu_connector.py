@@ -220,3 +220,49 @@ def test_runs_merge_only_objects_side_by_side_with_consecutive_tokens():
     assert [(r[1], r[2]) for r in _runs([a, b], [(0, 4), (5, 9)])] == [(0, 4), (5, 9)], "tokens not consecutive"
     for obj in (a, b, gap, c):
         obj.free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("apart", [pytest.param(False, id="one-run"), pytest.param(True, id="objects-apart")])
+def test_store_rotates_keys_on_the_cache_device_before_they_leave(device, apart):
+    """CacheBlend's key rotation runs on each layer's K where the cache is (on a GPU: in a device
+    buffer, before the copy to the host object), with each token's chunk start, offset included."""
+    from lmcache_triton.engine.gpu_connector import KVTarget, _drain
+    from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
+
+    _, connector, caches = setup("buffer", "flash_attn", "LBNHC", device)
+    g = torch.Generator().manual_seed(7)
+    src = caches(g=g)
+    offset, spans = 3, [(3, 3 + CHUNK), (3 + CHUNK, 3 + 2 * CHUNK), (3 + 2 * CHUNK, 3 + 2 * CHUNK + 5)]
+    n = spans[-1][1]
+    slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:n - offset].to(device)
+    pool = TensorMemoryPool(1 << 20, pin_memory=device == "cuda", alignment=512)
+    objs = []
+    for _ in range(LAYERS):
+        layer = []
+        for s, e in spans:
+            layer.append(pool.allocate(connector.get_shape(e - s), torch.bfloat16, MemoryFormat.KV_T2D))
+            if apart:  # a gap after each object: every chunk is its own run
+                pool.allocate(connector.get_shape(1), torch.bfloat16, MemoryFormat.KV_T2D)
+        objs.append(layer)
+    calls = []
+
+    def rotation(k: torch.Tensor, chunk_starts: torch.Tensor) -> None:
+        calls.append((k.device.type, k.shape[0], chunk_starts.tolist()))
+        k.add_(chunk_starts[:, None].to(k.dtype))
+
+    _drain(connector.batched_from_gpu(objs, [s for s, _ in spans], [e for _, e in spans],
+                                      KVTarget(src, slots, offset), key_rotation=rotation))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    want_starts = [s for s, e in spans for _ in range(e - s)]
+    runs = [[(s, e)] for s, e in spans] if apart else [spans]
+    assert [c[0] for c in calls] == [device] * LAYERS * len(runs), "rotated where the cache is"
+    assert [c[2] for c in calls] == [[s for s, e in run for _ in range(e - s)] for run in runs] * LAYERS
+    for layer in range(LAYERS):
+        kv = paged_gather_layer_ref(src[layer], slots, "flash_attn").cpu()  # [T, 2, hidden]
+        k = kv[:, 0] + torch.tensor(want_starts)[:, None].to(torch.bfloat16)
+        for obj, (s, e) in zip(objs[layer], spans):
+            got = obj.tensor.cpu()
+            assert torch.equal(bits(got[:, 1]), bits(kv[s - offset:e - offset, 1])), "V moves untouched"
+            assert torch.equal(bits(got[:, 0]), bits(k[s - offset:e - offset])), "K rotated, token by token"

@@ -13,14 +13,14 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
-from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, KVTarget
+from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, KeyRotation, KVTarget
 from lmcache_triton.engine.reservations import LookupReservations
 from lmcache_triton.engine.token_database import ChunkedTokenDatabase, TokenDatabase, num_tokens
 from lmcache_triton.keys import CacheEngineKey, ChunkHashes, KeyScope, MMSpan
@@ -38,8 +38,6 @@ logger = logging.getLogger("lmcache_triton")
 Tokens = torch.Tensor | Sequence[int]
 # Token ids from position 0, or (prefix mode, with `chunk_hashes`) only how many there are.
 TokensOrCount = Tokens | int
-# Re-rotates a stored object's K (`[T, hidden]`, computed at positions start..) to positions 0..
-KeyRotation = Callable[[torch.Tensor, int], None]
 
 
 class KeyScopeArgs(TypedDict, total=False):
@@ -243,7 +241,8 @@ class LMCacheEngine:
                 ends.append(end)
                 keys_by_chunk.append(keys)
             by_step = [[objs[step] for objs in objs_by_chunk] for step in range(steps)]
-            mover = self.gpu_connector.batched_from_gpu(by_step, starts, ends, target)
+            rotation = {} if self.mode.key_rotation is None else {"key_rotation": self.mode.key_rotation}
+            mover = self.gpu_connector.batched_from_gpu(by_step, starts, ends, target, **rotation)
             for _ in range(steps):
                 next(mover)
                 yield
@@ -252,10 +251,6 @@ class LMCacheEngine:
             # the mover orders the current stream after a layerwise connector's side stream.)
             mover.close()
             _sync(target.kvcaches)
-            if self.mode.key_rotation is not None:
-                for objs_of_step in by_step:
-                    for obj, start in zip(objs_of_step, starts):
-                        self.mode.key_rotation(self.gpu_connector.key_view(obj), start)
             for step, objs_of_step in enumerate(by_step):
                 self.storage_manager.batched_put([keys[step] for keys in keys_by_chunk], objs_of_step)
             complete = True

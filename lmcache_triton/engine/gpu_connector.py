@@ -25,10 +25,16 @@ import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.kernels import LAYOUTS, PagedTarget, kv_geometry, paged_scatter_layer
+from lmcache_triton.kernels.common import to_device
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 
 Steps = Generator[None, None, None]
+# CacheBlend: re-rotates a stored chunk's K in place, on the cache's device before it leaves it.
+# K is `[n, hidden]` (tokens rotated at their positions in the prompt); `chunk_starts` `[n]` int64,
+# on K's device, holds the position of each token's chunk start: K becomes as if its chunk had
+# started at position 0.
+KeyRotation = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -103,12 +109,6 @@ class GPUConnectorInterface(ABC):
     def batched_to_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
                        target: KVTarget) -> Steps:
         """objs[step][chunk] -> the paged cache; one step per next()."""
-
-    def key_view(self, obj: MemoryObj) -> torch.Tensor:
-        """K of a layerwise object, `[T, hidden]` (CacheBlend re-rotates it)."""
-        if self.steps != self.num_layers or self.use_mla:
-            raise ValueError("K of an object is one tensor only for layerwise, non-MLA connectors")
-        return obj.tensor[:, 0]
 
     def check_caches(self, kvcaches: Sequence[torch.Tensor]) -> None:
         """Validates what vLLM handed over against the engine's metadata, naming what differs."""
@@ -303,6 +303,23 @@ def _runs(objs: Sequence[MemoryObj], spans: Sequence[tuple[int, int]]
         yield view()
 
 
+class _ChunkStarts:
+    """Per token of a run of chunks, the prompt position of its chunk's first token, on the cache's
+    device: made once per run of a store (from the host, without a wait) and reused by every layer."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], offset: int, device: torch.device) -> None:
+        self.spans, self.offset, self.device = spans, offset, device
+        self._made: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        made = self._made.get((start, end))
+        if made is None:
+            inside = [(s, e) for s, e in self.spans if start <= s and e <= end]
+            host = torch.cat([torch.full((e - s,), s + self.offset, dtype=torch.int64) for s, e in inside])
+            made = self._made[(start, end)] = to_device(host, self.device)
+        return made
+
+
 class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
     """One layer per step, KV_T2D `[T, 2, hidden]` (MLA: `[T, C]`) objects, one per (layer, chunk).
 
@@ -385,14 +402,28 @@ class VLLMPagedMemLayerwiseGPUConnector(GPUConnectorInterface):
                 current.wait_event(event)
 
     def batched_from_gpu(self, objs: Sequence[Sequence[MemoryObj]], starts: Sequence[int], ends: Sequence[int],
-                         target: KVTarget) -> Steps:
+                         target: KVTarget, key_rotation: KeyRotation | None = None) -> Steps:
+        """With `key_rotation` (CacheBlend), each layer's K is re-rotated on the cache's device
+        before it leaves it: gathered into a device buffer, rotated there, then copied to the host
+        object (on a CPU cache, gathered into the object and rotated in place)."""
+        if key_rotation is not None and self.use_mla:
+            raise ValueError("key_rotation (CacheBlend) needs a non-MLA connector: MLA has no separate K")
         paged = target.paged(self.layout)
         spans = [(start - target.offset, end - target.offset) for start, end in zip(starts, ends, strict=True)]
+        chunk_starts = _ChunkStarts(spans, target.offset, paged.layers.device)
 
         def move(layer: int) -> None:
             one = paged.layer(layer)
             for tensor, start, end in _runs(objs[layer], spans):
-                one.gather(start, end, tensor)
+                if key_rotation is None:
+                    one.gather(start, end, tensor)
+                    continue
+                on_device = tensor if tensor.device == paged.layers.device else torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device=paged.layers.device)  # on this (side) stream
+                one.gather(start, end, on_device)
+                key_rotation(on_device[:, 0], chunk_starts(start, end))
+                if on_device is not tensor:
+                    tensor.copy_(on_device, non_blocking=True)
 
         yield from self._layered(len(objs), target.kvcaches, move,
                                  lambda layer: [o.tensor for o in objs[layer]], ahead=0)

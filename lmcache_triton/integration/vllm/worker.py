@@ -199,13 +199,14 @@ class WorkerSide:
 
         tables: dict[torch.device, torch.Tensor] = {}  # the cos/sin table where the stored K lies, copied once
 
-        def to_position_zero(k: torch.Tensor, start: int) -> None:
+        def to_position_zero(k: torch.Tensor, chunk_starts: torch.Tensor) -> None:
             table = tables.get(k.device)
             if table is None:  # (a copy per call was the whole table per chunk and layer: ~1000 per 8K tokens)
                 table = tables[k.device] = rot.cos_sin_cache.to(k.device)
             k3 = k.view(k.shape[0], heads, head_size)
-            pos = torch.arange(start, start + k.shape[0], device=k.device)
-            rope_rerotate(k3, pos, pos - start, table, is_neox=rot.is_neox, rotary_dim=rot.rotary_dim, out=k3)
+            # Only new - old counts: every token moves back by its chunk's start.
+            rope_rerotate(k3, chunk_starts, torch.zeros_like(chunk_starts), table, is_neox=rot.is_neox,
+                          rotary_dim=rot.rotary_dim, out=k3)
 
         return CacheMode(database, key_rotation=to_position_zero)
 
