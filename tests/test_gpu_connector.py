@@ -266,3 +266,32 @@ def test_store_rotates_keys_on_the_cache_device_before_they_leave(device, apart)
             got = obj.tensor.cpu()
             assert torch.equal(bits(got[:, 1]), bits(kv[s - offset:e - offset, 1])), "V moves untouched"
             assert torch.equal(bits(got[:, 0]), bits(k[s - offset:e - offset])), "K rotated, token by token"
+
+
+@pytest.mark.parametrize("kind", ["v2", "layerwise", "buffer"])
+def test_moves_never_wait_for_the_device(kind, monkeypatch):
+    """A store and a load, step by step, make none of the calls that would make the host wait for a
+    GPU (values read back, value-sized outputs): the slots' range check runs only where they are in
+    host memory, which this test says they are not, to walk the GPU branch on a CPU."""
+    from lmcache_triton.engine.gpu_connector import KVTarget
+    from lmcache_triton.kernels import common
+    from lmcache_triton.storage.memory import MemoryFormat, TensorMemoryPool
+    from lmcache_triton.tools.testing import HostSyncs
+
+    monkeypatch.setattr(common, "in_host_memory", lambda t: False)
+    _, connector, caches = setup(kind, "flash_attn", "LBNHC")
+    g = torch.Generator().manual_seed(9)
+    src, dst = caches(g=g), caches(fill=SENTINEL)
+    spans = [(0, CHUNK), (CHUNK, 2 * CHUNK), (2 * CHUNK, 2 * CHUNK + 5)]
+    slots = torch.randperm(BLOCKS * BLOCK, generator=g)[:spans[-1][1]]
+    pool = TensorMemoryPool(1 << 20, pin_memory=False, alignment=512)
+    objs = [[pool.allocate(connector.get_shape(e - s), torch.bfloat16, connector.fmt) for s, e in spans]
+            for _ in range(connector.steps)]
+    starts, ends = [s for s, _ in spans], [e for _, e in spans]
+    with HostSyncs() as syncs:
+        for step, _ in enumerate(connector.batched_from_gpu(objs, starts, ends, KVTarget(src, slots))):
+            syncs.step = ("store", step)
+        for step, _ in enumerate(connector.batched_to_gpu(objs, starts, ends, KVTarget(dst, slots))):
+            syncs.step = ("load", step)
+    assert syncs.calls == [], f"calls that would wait for a GPU, (call, step): {syncs.calls}"
+    check_paged("flash_attn", src, slots, dst, slots, caches)

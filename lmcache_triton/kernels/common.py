@@ -176,7 +176,7 @@ def prepare_slots(slot_mapping: torch.Tensor, layers: Layers) -> torch.Tensor:
         slots = slot_mapping  # the common case, without the ops' dispatch (~5 us a call)
     else:
         slots = slot_mapping.to(device, non_blocking=device.type != "cpu").contiguous()
-    host = slot_mapping if slot_mapping.device.type == "cpu" else slots if slots.device.type == "cpu" else None
+    host = slot_mapping if in_host_memory(slot_mapping) else slots if in_host_memory(slots) else None
     if host is not None and host.numel():
         g = layers.geometry
         num_slots = g.num_blocks * g.block_size
