@@ -1,7 +1,10 @@
 """Paged KV cache <-> chunk tensors, all layers in one Triton launch.
 
 Grid: (cdiv(T, BLOCK_T), num_layers * num_kv, cdiv(hidden, BLOCK_D)); each program copies a
-BLOCK_T x BLOCK_D tile (tokens x hidden columns) of one layer's K or V.
+BLOCK_T x BLOCK_D tile (tokens x hidden columns) of one layer's K or V. For a chunk in pinned host
+memory (zero-copy, over PCIe) the grid is capped (`zero_copy_max_programs`, `capped_grid`) and each
+program loops over tiles p, p + P, ... of the axes that got fewer programs than tiles (the LOOP
+variant; the full grid keeps the straight-line one).
 
 Multi-layer addressing: the layers are separate tensors (views of one allocation in vLLM, separate
 allocations in older releases). The kernel gets layer 0's K view as its pointer and an int64 tensor
@@ -34,22 +37,20 @@ from .reference import as_2ltd, gather_into_ref, gather_spans_ref, scatter_from_
 
 
 @triton.jit
-def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
-                    stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
-                    c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
-                    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                    NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_t = tl.program_id(0).to(tl.int64)
-    pid_lkv = tl.program_id(1).to(tl.int64)
-    pid_d = tl.program_id(2).to(tl.int64)
-    layer = pid_lkv // NUM_KV
-    kv = pid_lkv % NUM_KV
+def _copy_tile(t, lk, d, cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
+               stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+               c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+               BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, NUM_KV: tl.constexpr,
+               VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TO_CHUNK: tl.constexpr):
+    """Copies tile (token tile t, layer x K/V lk, column tile d); all three are int64."""
+    layer = lk // NUM_KV
+    kv = lk % NUM_KV
 
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    tok = t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     slot = tl.load(slot_ptr + slot_start + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    col = pid_d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
+    col = d * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     head = col // HEAD_SIZE
     dim = col % HEAD_SIZE
     # Masks from tensor comparisons only (the 3.9 interpreter rejects tensor & scalar bool).
@@ -76,45 +77,81 @@ def _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, n
     cache_addr = cache_ptr + row[:, None] + col_off[None, :]
     chunk_addr = (chunk_ptr + kv * c_stride_kv + layer * c_stride_l
                   + (tok * c_stride_t)[:, None] + (col * c_stride_c)[None, :])
-    return cache_addr, chunk_addr, mask
+    if TO_CHUNK:
+        tl.store(chunk_addr, tl.load(cache_addr, mask=mask), mask=mask)
+    else:
+        tl.store(cache_addr, tl.load(chunk_addr, mask=mask), mask=mask)
+
+
+@triton.jit
+def _copy_tiles(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, num_lk, kv_off,
+                stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+                c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr, NUM_KV: tl.constexpr,
+                VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TO_CHUNK: tl.constexpr,
+                LOOP: tl.constexpr):
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_lk = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2).to(tl.int64)
+    if LOOP:
+        # A capped grid (zero-copy: a chunk in pinned host memory, see `zero_copy_max_programs`):
+        # program p of an axis of P programs copies tiles p, p + P, p + 2P, ... A separate variant,
+        # so that the full grid of device-resident chunks keeps its straight-line kernel (no loops
+        # for the compiler to pipeline, one tile per program).
+        for t in range(pid_t, tl.cdiv(num_tokens, BLOCK_T), tl.num_programs(0).to(tl.int64)):
+            for lk in range(pid_lk, num_lk, tl.num_programs(1).to(tl.int64)):
+                for d in range(pid_d, tl.cdiv(HIDDEN, BLOCK_D), tl.num_programs(2).to(tl.int64)):
+                    _copy_tile(t, lk, d, cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens,
+                               num_slots, kv_off, stride_b, stride_o, stride_h, stride_d,
+                               v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+                               c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                               BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D, TO_CHUNK)
+    else:
+        _copy_tile(pid_t, pid_lk, pid_d, cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens,
+                   num_slots, kv_off, stride_b, stride_o, stride_h, stride_d,
+                   v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+                   c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                   BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D, TO_CHUNK)
 
 
 # num_tokens and slot_start (where a chunk's slots begin in the request's) change every call,
 # num_slots with the cache size: no value specialization (== 1, % 16 == 0) on them, so no recompiles.
 @triton.jit(do_not_specialize=["slot_start", "num_tokens", "num_slots"])
-def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
-                         stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
-                         c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+def _paged_gather_kernel(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, num_lk,
+                         kv_off, stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h,
+                         v_stride_d, c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                          BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                         NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    src, dst, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots,
-                                     kv_off, stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
-                                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
-                                     BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+                         NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         LOOP: tl.constexpr):
+    _copy_tiles(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, num_lk, kv_off,
+                stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+                c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D, True, LOOP)
 
 
 @triton.jit(do_not_specialize=["slot_start", "num_tokens", "num_slots"])
-def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, kv_off,
-                          stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
-                          c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+def _paged_scatter_kernel(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, num_lk,
+                          kv_off, stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h,
+                          v_stride_d, c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
                           BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-                          NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    dst, src, mask = _tile_addresses(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots,
-                                     kv_off, stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
-                                     c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
-                                     BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D)
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+                          NUM_KV: tl.constexpr, VEC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                          LOOP: tl.constexpr):
+    _copy_tiles(cache_ptr, layer_off_ptr, slot_ptr, slot_start, chunk_ptr, num_tokens, num_slots, num_lk, kv_off,
+                stride_b, stride_o, stride_h, stride_d, v_stride_b, v_stride_o, v_stride_h, v_stride_d,
+                c_stride_kv, c_stride_l, c_stride_t, c_stride_c,
+                BLOCK_SIZE, HEAD_SIZE, HIDDEN, NUM_KV, VEC, BLOCK_T, BLOCK_D, False, LOOP)
 
 
 _TILE_ELEMS = 4096
 
 
-def tile(hidden: int, element_size: int = 2, direction: str = "gather") -> tuple[int, int, int]:
+def tile(hidden: int, element_size: int = 2, direction: str = "gather", placement: str = "device",
+         device_name: str | None = None) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, num_warps), keyed on constexpr sizes only (never on T, so no recompiles):
-    the config `bench.kernels --tune` measured for this key if the tuning file has one, else a
-    heuristic."""
-    tuned = tuning.lookup(direction, hidden, element_size)
+    the config `bench.kernels --tune` measured for this key (and the chunk's placement, ``device``
+    or ``pinned``) if the tuning file has one and was tuned on ``device_name`` (None: not checked),
+    else a heuristic."""
+    tuned = tuning.lookup(direction, hidden, element_size, placement, device_name)
     if tuned is not None:
         return tuned.block_t, tuned.block_d, tuned.num_warps
     pow2_divisor = hidden & -hidden
@@ -163,11 +200,67 @@ def _layer_offsets(layers: Layers) -> torch.Tensor:
     return t
 
 
-def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> None:
+# ---------------------------------------------------------------- the grid: full, or capped for zero-copy
+
+# Programs a launch on a chunk in pinned host memory (zero-copy: the kernel reads or writes it over
+# PCIe) may have, per SM of the GPU, and at least. Why: a full grid (thousands of programs of
+# 4 tokens x 1024 columns) puts programs on every SM that then wait on PCIe, and the model's
+# compute beside the copy gets what is left. PCIe needs far fewer: Gen5 x16 reaches ~50 GB/s at a
+# round trip of ~1-2 us, i.e. ~100 KB in flight (Little's law); a program keeps one tile in flight
+# (BLOCK_T x BLOCK_D = 4096 elements: 8 KiB of bf16, 4 KiB of fp8, in 16-byte accesses) and
+# alternates loads and stores, so a few dozen programs keep PCIe saturated. Half the SM count
+# (66 on H100 / H200, 54 on A100) is ~0.5 MB in flight, several times that, while one program of 4
+# warps takes ~1/16 of one SM's warp slots on at most half the SMs; 32 at least for small GPUs.
+ZERO_COPY_PROGRAMS_PER_SM = 0.5
+ZERO_COPY_MIN_PROGRAMS = 32
+# Tests: when set, every launch (any placement, CPU tensors too) is capped at this many programs,
+# so the capped grid's loops run in the interpreter.
+_FORCE_MAX_PROGRAMS: int | None = None
+
+
+def zero_copy_max_programs(sm_count: int) -> int:
+    """The most programs a zero-copy launch has on a GPU of ``sm_count`` SMs (see above)."""
+    return max(ZERO_COPY_MIN_PROGRAMS, int(sm_count * ZERO_COPY_PROGRAMS_PER_SM))
+
+
+def max_programs(placement: str, sm_count: int | None) -> int | None:
+    """The cap on a launch's programs for a chunk's placement: None (the full grid) for a
+    device-resident chunk; for a pinned host chunk, `zero_copy_max_programs`."""
+    if placement == "device":
+        return None
+    if placement != "pinned":
+        raise ValueError(f"placement must be one of {tuning.PLACEMENTS}, got {placement!r}")
+    return zero_copy_max_programs(sm_count or 0)
+
+
+def capped_grid(tiles: tuple[int, int, int], cap: int | None) -> tuple[int, int, int]:
+    """The grid for (token tiles, layers x K/V, column tiles) with at most ``cap`` programs in all
+    (None: one program per tile). The kernel's grid-stride loops cover the tiles of every axis
+    that gets fewer programs than tiles. Columns and layers keep their programs first (few: a
+    column tile is up to 1024 columns, layers x 2 at most a few hundred), the token axis, the long
+    one, loops; the layer axis loops too where layers x column tiles alone exceed the cap."""
+    n_t, n_lk, n_d = tiles
+    if cap is None or n_t * n_lk * n_d <= cap:
+        return n_t, n_lk, n_d
+    p_d = max(1, min(n_d, cap))
+    p_lk = max(1, min(n_lk, cap // p_d))
+    return max(1, min(n_t, cap // (p_d * p_lk))), p_lk, p_d
+
+
+def launch_grid(placement: str, num_tokens: int, block_t: int, grid_lk: int, grid_d: int,
+                sm_count: int | None) -> tuple[int, int, int]:
+    """The grid a launch of ``num_tokens`` tokens gets for a chunk's placement on a GPU of
+    ``sm_count`` SMs: full for ``device``, capped for ``pinned`` (what `_launch` does)."""
+    return capped_grid((-(-num_tokens // block_t), grid_lk, grid_d), max_programs(placement, sm_count))
+
+
+def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> str:
+    """The chunk's placement, ``device`` or ``pinned`` (a pinned host chunk for a CUDA cache),
+    or ValueError."""
     if t.device == layers.device:
-        return
+        return "device"
     if layers.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned():
-        return  # the kernel reads/writes pinned host memory directly via UVA
+        return "pinned"  # the kernel reads/writes pinned host memory directly via UVA
     raise ValueError(f"{name} is on {t.device}, the cache on {layers.device}: {name} must be on the "
                      f"cache device or (for a CUDA cache) in pinned host memory")
 
@@ -189,38 +282,49 @@ class LaunchPlan:
     block_t: int
     grid_lk: int                    # layers x (K, V)
     grid_d: int
+    max_programs: int | None        # the cap on the grid (zero-copy), None: the full grid
     generation: int                 # tuning.generation() it was made under
 
 
-def launch_plan(layers: Layers, direction: str) -> LaunchPlan:
-    key = ("launch_plan", direction)
+def _sm_count(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
+
+def launch_plan(layers: Layers, direction: str, placement: str = "device") -> LaunchPlan:
+    key = ("launch_plan", direction, placement)
     plan = layers.derived.get(key)
     if plan is None or plan.generation != tuning.generation():  # the tuner tries another tile
         g, k0 = layers.geometry, layers.k[0]
         kv_off = 0 if layers.v is None else (layers.v[0].data_ptr() - k0.data_ptr()) // k0.element_size()
-        block_t, block_d, num_warps = tile(g.hidden, k0.element_size(), direction)
+        block_t, block_d, num_warps = tile(g.hidden, k0.element_size(), direction, placement,
+                                           tuning.device_name(layers.device))
         plan = layers.derived[key] = LaunchPlan(
             cache_bits=as_bits(k0), layer_offsets=_layer_offsets(layers), num_slots=g.num_blocks * g.block_size,
             kv_off=kv_off, cache_strides=(*k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride()),
             constexprs=dict(BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
                             VEC=vector_width(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps),
             block_t=block_t, grid_lk=layers.num_layers * layers.num_kv, grid_d=triton.cdiv(g.hidden, block_d),
+            max_programs=max_programs(placement, _sm_count(layers.device) if placement == "pinned" else None),
             generation=tuning.generation())
     return plan
 
 
 def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, start: int, end: int,
-            chunk_strides: tuple[int, ...] | None = None) -> None:
+            chunk_strides: tuple[int, ...] | None = None, placement: str = "device") -> None:
     """`chunk_strides`: the chunk's [num_kv, L, T, hidden] strides where `chunk4` is the chunk in
-    another format (its base and dtype are what the kernel takes from it)."""
+    another format (its base and dtype are what the kernel takes from it). `placement`: what
+    `_check_chunk_device` said of the chunk (a pinned host chunk gets the capped grid)."""
     num_tokens = end - start
     if num_tokens <= 0:
         return
-    plan = launch_plan(layers, "gather" if kernel is _paged_gather_kernel else "scatter")
-    grid = (-(-num_tokens // plan.block_t), plan.grid_lk, plan.grid_d)
+    plan = launch_plan(layers, "gather" if kernel is _paged_gather_kernel else "scatter", placement)
+    tiles = (-(-num_tokens // plan.block_t), plan.grid_lk, plan.grid_d)
+    cap = plan.max_programs if _FORCE_MAX_PROGRAMS is None else _FORCE_MAX_PROGRAMS
+    grid = tiles if cap is None else capped_grid(tiles, cap)
     with on_device(layers.device):
         kernel[grid](plan.cache_bits, plan.layer_offsets, slots, start, as_bits(chunk4), num_tokens, plan.num_slots,
-                     plan.kv_off, *plan.cache_strides, *(chunk_strides or chunk4.stride()), **plan.constexprs)
+                     plan.grid_lk, plan.kv_off, *plan.cache_strides, *(chunk_strides or chunk4.stride()),
+                     LOOP=grid != tiles, **plan.constexprs)
 
 
 def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor, start: int = 0, end: int | None = None) -> None:
@@ -229,8 +333,8 @@ def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor, start: 
     format as a [num_kv, L, T, hidden] view (``reference.as_2ltd``)."""
     end = len(slots) if end is None else end
     if use_triton(layers.device):
-        _check_chunk_device(out4, "out", layers)
-        _launch(_paged_gather_kernel, layers, slots, out4, start, end)
+        placement = _check_chunk_device(out4, "out", layers)
+        _launch(_paged_gather_kernel, layers, slots, out4, start, end, placement=placement)
     else:
         gather_into_ref(layers, slots[start:end], out4)
 
@@ -240,8 +344,8 @@ def scatter_from(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, star
     """The scatter counterpart of :func:`gather_into`."""
     end = len(slots) if end is None else end
     if use_triton(layers.device):
-        _check_chunk_device(chunk4, "chunk", layers)
-        _launch(_paged_scatter_kernel, layers, slots, chunk4, start, end)
+        placement = _check_chunk_device(chunk4, "chunk", layers)
+        _launch(_paged_scatter_kernel, layers, slots, chunk4, start, end, placement=placement)
     else:
         scatter_from_ref(layers, slots[start:end], chunk4)
 
@@ -288,12 +392,12 @@ class PagedTarget:
             ref = gather_into_ref if kernel is _paged_gather_kernel else scatter_from_ref
             ref(layers, self.slots[start:end], as_2ltd(chunk, per_layer, layers.geometry.use_mla))
             return
-        _check_chunk_device(chunk, name, layers)
+        placement = _check_chunk_device(chunk, name, layers)
         # The [num_kv, L, T, hidden] strides of a per-layer chunk, without making its view (two
         # torch ops, ~5 us a launch here): KV_T2D [T, 2, H] and MLA [T, C]; L is 1.
         st = chunk.stride()
         strides = None if not per_layer else (0, 0, st[0], st[1]) if layers.geometry.use_mla else (st[1], 0, st[0], st[2])
-        _launch(kernel, layers, self.slots, chunk, start, end, strides)
+        _launch(kernel, layers, self.slots, chunk, start, end, strides, placement)
 
     def _move_many(self, kernel, chunks: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]], name: str) -> None:
         layers = self.layers

@@ -2,14 +2,31 @@
 
 The file (default ``~/.cache/lmcache_triton/kernel_tuning.json``, or ``$LMCACHE_TRITON_TUNING_FILE``):
 
-    {"version": 1, "device": "NVIDIA H100 80GB HBM3", "triton": "3.9.0",
-     "configs": {"gather/4096/2": {"BLOCK_T": 4, "BLOCK_D": 1024, "num_warps": 4}, ...}}
+    {"version": 2, "device": "NVIDIA H100 80GB HBM3", "triton": "3.9.0",
+     "configs": {"gather/device/4096/2": {"BLOCK_T": 4, "BLOCK_D": 1024, "num_warps": 4},
+                 "gather/pinned/4096/2": {...}, ...}}
 
-Keys are ``direction/hidden/element_size``: constexpr sizes only, never the token count, so a
-tuned config never causes a recompile as request lengths change. The file is read once, lazily, on
-the first launch; a missing default file is the normal case (silently: the heuristic applies). A
-file that is corrupt, invalid, or named by the environment variable but missing falls back to the
-heuristic with one warning. Importing this module reads nothing.
+Keys are ``direction/placement/hidden/element_size``. The placement is where the chunk lives:
+``device`` (in the cache's device memory) or ``pinned`` (pinned host memory read or written by the
+kernel over PCIe, zero-copy, with a capped grid: paged_copy.zero_copy_max_programs); the best tile
+differs between the two. Sizes are constexprs only, never the token count, so a tuned config never
+causes a recompile as request lengths change.
+
+``device`` is the name of the GPU the file was tuned on (:func:`device_name`; ``cpu`` for the CPU
+path); it is required. A file tuned on another GPU model than the one a launch runs on is not
+applied there: one warning, the heuristic is used (a tile is right on every GPU, only its speed is
+the other GPU's).
+
+Version 1 files (keys ``direction/hidden/element_size``) are read, as placement ``device``: the
+version-1 tuner timed device-resident chunks only, so that is exactly what they measured, and
+refusing them would throw a valid tuning away on upgrade. Their ``device`` is checked as in version
+2; one naming no device (the format did not require it; the tuner always wrote it) is applied on no
+GPU, with the same one warning. `save` writes version 2 only.
+
+The file is read once, lazily, on the first launch; a missing default file is the normal case
+(silently: the heuristic applies). A file that is corrupt, invalid, or named by the environment
+variable but missing falls back to the heuristic with one warning. Importing this module reads
+nothing.
 
 The tuner (`bench.kernels --tune`) chooses with :func:`pick`: a tile whose output differs from the
 oracle is rejected, however fast; among the rest the fastest wins.
@@ -27,9 +44,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 ENV_VAR = "LMCACHE_TRITON_TUNING_FILE"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 DIRECTIONS = ("gather", "scatter")
+PLACEMENTS = ("device", "pinned")  # the chunk in the cache's device memory / in pinned host memory
 _WARPS = (1, 2, 4, 8, 16, 32)
 # BLOCK_D >= 16 keeps every tile a whole number of 16-byte vectors (VEC is at most 16 elements);
 # the tile cap bounds registers per program (64 Ki elements = 128 KiB of bf16 at 32 warps).
@@ -65,10 +86,25 @@ class TileConfig:
         return cls(d["BLOCK_T"], d["BLOCK_D"], d["num_warps"])
 
 
-def config_key(direction: str, hidden: int, element_size: int) -> str:
+def config_key(direction: str, hidden: int, element_size: int, placement: str = "device") -> str:
+    """``direction/placement/hidden/element_size``, e.g. ``gather/device/4096/2``."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    return f"{direction}/{int(hidden)}/{int(element_size)}"
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    return f"{direction}/{placement}/{int(hidden)}/{int(element_size)}"
+
+
+_device_names: dict[torch.device, str] = {}
+
+
+def device_name(device: torch.device) -> str:
+    """The name a tuning file records and is matched against: the CUDA device's name
+    (``torch.cuda.get_device_name``), ``cpu`` for anything else."""
+    name = _device_names.get(device)
+    if name is None:
+        name = _device_names[device] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return name
 
 
 def tuning_file() -> Path:
@@ -76,33 +112,53 @@ def tuning_file() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lmcache_triton" / "kernel_tuning.json"
 
 
-def parse(payload: object) -> dict[str, TileConfig]:
-    """Validate a decoded tuning file; raises ValueError naming what is wrong."""
+def parse_file(payload: object) -> tuple[str, dict[str, TileConfig]]:
+    """Validate a decoded tuning file: (the device it was tuned on, "" if a version-1 file names
+    none; its configs under version-2 keys). Raises ValueError naming what is wrong."""
     if not isinstance(payload, dict):
         raise ValueError("the tuning file must hold a JSON object")
-    if payload.get("version") != VERSION:
-        raise ValueError(f"version must be {VERSION}, got {payload.get('version')!r}")
+    version = payload.get("version")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise ValueError(f"version must be one of {READ_VERSIONS}, got {version!r}")
+    device = payload.get("device", "" if version == 1 else None)
+    if not isinstance(device, str) or (version != 1 and not device):
+        raise ValueError(f"device must name the GPU the file was tuned on, got {device!r}")
     configs = payload.get("configs")
     if not isinstance(configs, dict):
-        raise ValueError("configs must be an object of 'direction/hidden/element_size' -> config")
+        raise ValueError("configs must be an object of 'direction/placement/hidden/element_size' -> config")
     out = {}
     for key, value in configs.items():
-        parts = key.split("/")
-        if len(parts) != 3 or parts[0] not in DIRECTIONS or not all(p.isdigit() for p in parts[1:]):
-            raise ValueError(f"bad config key {key!r}: expected 'gather|scatter/<hidden>/<element size>'")
+        parts = key.split("/") if isinstance(key, str) else []
+        if version == 1 and len(parts) == 3:
+            parts.insert(1, "device")   # a version-1 key: tuned with device-resident chunks
+        if (len(parts) != 4 or parts[0] not in DIRECTIONS or parts[1] not in PLACEMENTS
+                or not all(p.isdigit() for p in parts[2:])):
+            expected = ("'gather|scatter/<hidden>/<element size>'" if version == 1 else
+                        "'gather|scatter/device|pinned/<hidden>/<element size>'")
+            raise ValueError(f"bad config key {key!r}: expected {expected}")
         try:
-            out[key] = TileConfig.from_json(value)
+            out["/".join(parts)] = TileConfig.from_json(value)
         except ValueError as e:
             raise ValueError(f"configs[{key!r}]: {e}") from None
-    return out
+    return device, out
+
+
+def parse(payload: object) -> dict[str, TileConfig]:
+    """The configs of a decoded tuning file (:func:`parse_file`)."""
+    return parse_file(payload)[1]
+
+
+def load_file(path: Path) -> tuple[str, dict[str, TileConfig]]:
+    return parse_file(json.loads(Path(path).read_text()))
 
 
 def load(path: Path) -> dict[str, TileConfig]:
-    return parse(json.loads(Path(path).read_text()))
+    return load_file(path)[1]
 
 
 def save(configs: dict[str, TileConfig], path: Path | None = None, **meta: str) -> Path:
-    """Write configs (and metadata such as device and triton version) atomically."""
+    """Write configs (and metadata: ``device``, required, see :func:`device_name`; the triton
+    version) atomically, in the current version."""
     path = Path(path) if path is not None else tuning_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"version": VERSION, **meta, "configs": {k: v.to_json() for k, v in sorted(configs.items())}}
@@ -115,6 +171,8 @@ def save(configs: dict[str, TileConfig], path: Path | None = None, **meta: str) 
 
 _lock = threading.Lock()
 _loaded: dict[str, TileConfig] | None = None
+_tuned_on: str | None = None        # the loaded file's device; None: any (no file, or `using`)
+_mismatch_warned = False
 # Changes whenever what `lookup` answers may change: launch plans made before are stale then.
 _generation = 0
 
@@ -124,32 +182,54 @@ def generation() -> int:
 
 
 def _load_once() -> dict[str, TileConfig]:
-    global _loaded
+    global _loaded, _tuned_on
     if _loaded is None:
         with _lock:
             if _loaded is None:
                 path = tuning_file()
                 configs: dict[str, TileConfig] = {}
+                tuned_on = None
                 if path.exists() or os.environ.get(ENV_VAR):
                     try:
-                        configs = load(path)
+                        tuned_on, configs = load_file(path)
                     except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
                         warnings.warn(f"lmcache_triton: ignoring kernel tuning file {path} ({e}); "
                                       f"using the built-in tile heuristic", RuntimeWarning, stacklevel=3)
-                _loaded = configs
+                _tuned_on, _loaded = tuned_on, configs
     return _loaded
 
 
-def lookup(direction: str, hidden: int, element_size: int) -> TileConfig | None:
-    """The tuned config for this key, or None (then the launcher's heuristic applies)."""
-    return _load_once().get(config_key(direction, hidden, element_size))
+def _other_device(configs: dict[str, TileConfig], running: str | None) -> bool:
+    """Whether the loaded configs were tuned on another device than ``running`` (warned once)."""
+    global _mismatch_warned
+    tuned_on = _tuned_on
+    if not configs or running is None or tuned_on is None or tuned_on == running:
+        return False
+    if not _mismatch_warned:
+        _mismatch_warned = True
+        warnings.warn(f"lmcache_triton: not applying kernel tuning file {tuning_file()}: tuned on "
+                      f"{tuned_on or 'an unnamed device'!r}, running on {running!r}; using the built-in "
+                      f"tile heuristic (run `python -m bench.kernels --tune` on this GPU)",
+                      RuntimeWarning, stacklevel=3)
+    return True
+
+
+def lookup(direction: str, hidden: int, element_size: int, placement: str = "device",
+           device_name: str | None = None) -> TileConfig | None:
+    """The tuned config for this key, or None (then the launcher's heuristic applies): also None
+    where the file was tuned on another device than ``device_name`` (None: not checked)."""
+    configs = _load_once()
+    if _other_device(configs, device_name):
+        return None
+    return configs.get(config_key(direction, hidden, element_size, placement))
 
 
 def reset() -> None:
     """Forget the loaded file (tests, and `bench.kernels --tune` after writing a new one)."""
-    global _loaded, _generation
+    global _loaded, _tuned_on, _generation, _mismatch_warned
     with _lock:
-        _loaded = None
+        _loaded = _tuned_on = None
+        _mismatch_warned = False
         _generation += 1
 
 
@@ -157,15 +237,16 @@ def reset() -> None:
 def using(configs: dict[str, TileConfig]) -> Iterator[None]:
     """Inside the block the launchers read exactly ``configs`` (the file is not read): how the
     tuner runs one candidate. Afterwards what was loaded before is back."""
-    global _loaded, _generation
+    global _loaded, _tuned_on, _generation
     with _lock:
-        before, _loaded = _loaded, dict(configs)
+        before, _loaded = (_loaded, _tuned_on), dict(configs)
+        _tuned_on = None    # the candidates are for the device that runs them
         _generation += 1
     try:
         yield
     finally:
         with _lock:
-            _loaded = before
+            _loaded, _tuned_on = before
             _generation += 1
 
 
@@ -200,5 +281,5 @@ def pick(key: str, candidates: Iterable[TileConfig], check: Callable[[], str | N
     return (min(ok, key=lambda t: t.ms).config if ok else None), trials
 
 
-__all__ = ["ENV_VAR", "TileConfig", "Trial", "config_key", "tuning_file", "parse", "load", "save", "lookup",
-           "reset", "using", "pick"]
+__all__ = ["ENV_VAR", "PLACEMENTS", "TileConfig", "Trial", "config_key", "device_name", "tuning_file", "parse",
+           "parse_file", "load", "load_file", "save", "lookup", "reset", "using", "pick"]

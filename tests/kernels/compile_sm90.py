@@ -96,6 +96,17 @@ def paged_cases():
             paged_gather(c, s, lay), c, s, lay)
         yield name + "-one-layer", lambda c=caches, s=slots, lay=layout: paged_scatter_layer(
             paged_gather_layer(c[0], s, lay), c[0], s, lay)
+        yield name + "-capped-grid", lambda c=caches, s=slots, lay=layout: _capped(
+            lambda: paged_scatter(paged_gather(c, s, lay), c, s, lay))
+
+
+def _capped(run):
+    """The zero-copy launches' variant: a capped grid whose programs loop over tiles."""
+    paged_copy._FORCE_MAX_PROGRAMS = 3
+    try:
+        return run()
+    finally:
+        paged_copy._FORCE_MAX_PROGRAMS = None
 
 
 def token_count_cases():
