@@ -63,6 +63,69 @@ def make_timer(cuda: bool, repeats: int) -> Callable[[Callable[[], object]], flo
     return lambda fn: median_seconds(fn, repeats)
 
 
+def graph_seconds(fn: Callable[[], object], samples: int = 20, replays: int = 1, warmup: int = 3) -> float:
+    """Median seconds per call of fn on the device alone (CUDA): fn is captured once in a CUDA graph
+    and replayed `replays` times between two events, `samples` times. The warm-up calls run first on
+    a side stream, so Triton compiles and caches fill outside the capture. Raises what the capture
+    raises (a host sync, `.item()`, an allocation the capture refuses): see graph_or_eager."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / replays)
+    return median(times)
+
+
+def call_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one whole call of fn (CUDA), host and device: an event is recorded on the
+    idle GPU, fn runs (its Python, then its launches), a second event follows its last kernel. Unlike
+    do_bench (calls queued behind an L2 flush, which hides the host's time), the host's time counts."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return median(times)
+
+
+def graph_or_eager(fn: Callable[[], object], graph_timer: Callable[[Callable[[], object]], float],
+                   eager_timer: Callable[[Callable[[], object]], float]) -> tuple[float, str, str]:
+    """(seconds, "graph", "") from graph_timer(fn); where it raises (fn cannot be captured), the
+    stream's state is restored and it is (eager_timer(fn), "eager", why the capture failed)."""
+    try:
+        return graph_timer(fn), "graph", ""
+    except Exception as e:  # noqa: BLE001 - any capture failure means: time it the plain way
+        if torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - the failed capture's error, already reported below
+                pass
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        return eager_timer(fn), "eager", why
+
+
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -11,28 +11,112 @@ import torch
 import bench.common as bench_common
 import bench.kernels as bench_kernels
 from bench import blend_kernels
-from bench.kernels import MODELS, Model, Row, _staged, check_targets
+from bench.common import graph_or_eager
+from bench.kernels import MODELS, Model, Row, _staged, check_targets, kernel_columns, verdict_lines, write_csv
 from lmcache_triton.kernels import paged_copy, paged_gather_ref, tuning, use_triton
 from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
 
 
 def _row(**kw) -> Row:
+    """A CUDA row, everything graph-timed; the kernel's ratios equal the whole call's unless given."""
     base = dict(model="llama3-8b", layout="vllm_packed", block_size=16, tokens=256, scope="all-layers",
                 direction="gather", chunk_on="device", path="triton", bytes=1, ms=1.0, gbps=1.0, ref_gbps=1.0,
-                copy_gbps=1.0, vs_ref=3.0, vs_copy=0.85)
-    return Row(**(base | kw))
+                copy_gbps=1.0, vs_ref=3.0, vs_copy=0.85, timing="graph", ref_timing="graph", copy_timing="graph")
+    base |= kw
+    base.setdefault("kernel_vs_ref", base["vs_ref"])
+    base.setdefault("kernel_vs_copy", base["vs_copy"])
+    return Row(**base)
+
+
+def _verdicts(rows: list[Row], judged: str) -> dict:
+    return {(t["target"].split(" >=")[0], t["direction"]): t["verdict"] for t in check_targets(rows)
+            if t["judged"] == judged and "torch reference" not in t["target"]}
 
 
 def test_targets_judge_the_256_token_32_layer_rows():
     rows = [_row(), _row(direction="scatter", vs_copy=0.79, vs_ref=1.5),
             _row(chunk_on="pinned-host", vs_copy=0.93), _row(chunk_on="pinned-host", direction="scatter", vs_copy=0.5),
             _row(tokens=2048, vs_copy=0.1), _row(scope="one-layer", vs_copy=0.1),
-            _row(model="deepseek-v3-mla", vs_copy=0.1), _row(path="torch", vs_copy=0.1)]
-    got = {(t["target"].split(" >=")[0], t["direction"]): t["ok"] for t in check_targets(rows)}
-    assert got == {("device chunk", "gather"): True, ("device chunk", "scatter"): False,
-                   ("pinned-host chunk", "gather"): True, ("pinned-host chunk", "scatter"): False}
-    ref = [t for t in check_targets(rows) if "torch reference" in t["target"]]
+            _row(model="deepseek-v3-mla", vs_copy=0.1)]
+    want = {("device chunk", "gather"): "PASS", ("device chunk", "scatter"): "FAIL",
+            ("pinned-host chunk", "gather"): "PASS", ("pinned-host chunk", "scatter"): "FAIL"}
+    assert _verdicts(rows, "kernel") == want and _verdicts(rows, "whole call") == want
+    ref = [t for t in check_targets(rows) if "torch reference" in t["target"] and t["judged"] == "kernel"]
     assert [(t["direction"], t["ok"]) for t in ref] == [("gather", True), ("scatter", False)]
+
+
+def test_kernel_pass_whole_call_fail_prints_both_lines():
+    """The kernel meets the target in graph replays; the call, with the host's time, does not."""
+    targets = [t for t in check_targets([_row(vs_copy=0.4, kernel_vs_copy=0.91, host_us=23.5)])
+               if t["target"].startswith("device chunk >= 80%")]
+    assert [(t["judged"], t["verdict"], t["value"]) for t in targets] == [("kernel", "PASS", 0.91),
+                                                                          ("whole call", "FAIL", 0.4)]
+    kernel, call = verdict_lines(targets)
+    assert kernel.startswith("PASS  kernel ") and "0.91 (>= 0.8)" in kernel and "host" not in kernel
+    assert call.startswith("FAIL  whole call ") and "0.40 (>= 0.8)" in call and "host 23.5 us/call" in call
+
+
+@pytest.mark.parametrize("kw,why", [
+    pytest.param(dict(timing="n/a", ref_timing="n/a", copy_timing="n/a", kernel_vs_copy=None, kernel_vs_ref=None),
+                 "needs a GPU", id="no-cuda"),
+    pytest.param(dict(timing="eager", kernel_vs_copy=0.1), "the launcher could not be captured", id="launcher-eager"),
+    pytest.param(dict(copy_timing="eager", kernel_vs_copy=0.1), "the plain copy could not be captured",
+                 id="copy-eager"),
+])
+def test_kernel_line_without_graph_timing_is_skip_not_fail(kw, why):
+    targets = [t for t in check_targets([_row(vs_copy=0.1, **kw)]) if t["target"].startswith("device chunk >= 80%")]
+    kernel, call = targets
+    assert kernel["judged"] == "kernel" and kernel["verdict"] == "SKIP" and kernel["ok"] is None
+    assert why in kernel["why"]
+    assert verdict_lines([kernel])[0].startswith("SKIP  kernel ")
+    # The whole call is judged on CUDA (FAIL here), and skipped without CUDA.
+    assert call["verdict"] == ("SKIP" if kw.get("timing") == "n/a" else "FAIL")
+
+
+def test_the_kernel_is_judged_against_the_reference_timed_eager():
+    """The torch reference reads slots back to the host, so it never captures; its eager time is
+    its real cost, and the graph-timed kernel is judged against it (not skipped)."""
+    targets = check_targets([_row(ref_timing="eager")])
+    got = [(t["target"].split(" >= ")[1], t["judged"], t["verdict"]) for t in targets]
+    assert got == [("80% of the device-to-device copy", "kernel", "PASS"),
+                   ("80% of the device-to-device copy", "whole call", "PASS"),
+                   ("2x the torch reference", "kernel", "PASS"), ("2x the torch reference", "whole call", "PASS")]
+    targets = check_targets([_row(ref_timing="eager", timing="eager")])
+    assert "the launcher could not be captured" in targets[2]["why"] and targets[2]["verdict"] == "SKIP"
+
+
+def test_graph_timer_falls_back_to_eager_when_capture_fails():
+    def refuses_capture(fn):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    assert graph_or_eager(lambda: None, lambda fn: 2e-6, lambda fn: 9e-6) == (2e-6, "graph", "")
+    s, timing, why = graph_or_eager(lambda: None, refuses_capture, lambda fn: 9e-6)
+    assert (s, timing) == (9e-6, "eager") and why == "RuntimeError: operation not permitted when stream is capturing"
+
+
+def test_kernel_columns_and_host_time():
+    row = kernel_columns(_row(bytes=10_000, ms=0.05, timing="n/a"), (20e-6, "graph", ""),
+                         (100e-6, "eager", "RuntimeError: sync"), (800.0, "graph", ""))
+    assert (row.timing, row.ref_timing, row.copy_timing) == ("graph", "eager", "graph")
+    assert row.kernel_ms == pytest.approx(0.02) and row.kernel_gbps == pytest.approx(0.5)
+    assert row.kernel_vs_ref == pytest.approx(5.0) and row.kernel_vs_copy == pytest.approx(0.5 / 800)
+    assert row.host_us == pytest.approx(30.0)          # 50 us whole call - 20 us kernel
+    assert row.timing_note == "torch reference not captured, do_bench instead (RuntimeError: sync)"
+    eager = kernel_columns(_row(ms=0.05), (40e-6, "eager", "E: x"), (1e-4, "graph", ""), (1.0, "graph", ""))
+    assert eager.host_us is None                         # only against a graph-timed kernel
+
+
+def test_csv_has_the_timing_columns(tmp_path, monkeypatch):
+    import csv
+
+    monkeypatch.setattr(bench_kernels, "RESULTS", tmp_path)
+    path = write_csv("kernels", [_row(kernel_ms=0.01, host_us=12.5), _row(timing="n/a")], {"device": "x"})
+    rows = list(csv.DictReader(path.open()))
+    for col in ("timing", "ref_timing", "copy_timing", "kernel_ms", "kernel_gbps", "kernel_vs_copy", "kernel_vs_ref",
+                "host_us", "timing_note", "ms", "gbps", "vs_copy"):
+        assert col in rows[0], col
+    assert (rows[0]["timing"], rows[0]["host_us"]) == ("graph", "12.5")
+    assert (rows[1]["timing"], rows[1]["host_us"], rows[1]["kernel_gbps"]) == ("n/a", "", "")
 
 
 def test_staged_alternative_moves_the_same_bytes():
@@ -101,6 +185,26 @@ def test_a_wrong_copy_is_a_fail_row_and_exit_1(tiny_bench, monkeypatch, capsys, 
 def test_a_right_sweep_exits_0(tiny_bench, capsys):
     assert bench_kernels.main(["--models", "tiny", "--tokens", "9", "--block-sizes", "4", "--repeats", "1"]) == 0
     assert "oracle check: all 4 rows bit-exact" in capsys.readouterr().out
+    rows = json.loads(next(tiny_bench.glob("kernels-*.json")).read_text())["rows"]
+    if not torch.cuda.is_available():
+        assert {(r["timing"], r["kernel_ms"], r["host_us"]) for r in rows} == {("n/a", None, None)}
+
+
+def test_quick_on_cpu_skips_the_kernel_verdicts_and_exits_0(tiny_bench, monkeypatch, capsys):
+    """--quick on a CPU host, with a small 32-layer model standing in for Llama-8B (the targets'
+    rows: 256 tokens x 32 layers): every target line is SKIP, none FAIL, and the exit code is 0."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU behaviour")
+    monkeypatch.setitem(MODELS, "tiny32", Model("tiny32", num_layers=32, num_kv_heads=1, head_size=8,
+                                                layout="flash_attn"))
+    assert bench_kernels.main(["--quick", "--models", "tiny32", "--tokens", "256", "--block-sizes", "16",
+                               "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.splitlines()
+             if line.strip().startswith(("PASS", "FAIL", "SKIP")) and (" kernel " in line or " whole call " in line)]
+    # 2 device targets (copy, reference) x gather/scatter x (kernel, whole call); no pinned rows without CUDA
+    assert len(lines) == 8 and all(line.startswith("SKIP") for line in lines)
+    assert sum(line.startswith("SKIP  kernel ") and "needs a GPU" in line for line in lines) == 4
 
 
 def test_tune_rejects_a_wrong_tile(tiny_bench, monkeypatch, capsys):
@@ -118,9 +222,9 @@ def test_tune_rejects_a_wrong_tile(tiny_bench, monkeypatch, capsys):
 
     monkeypatch.setattr(paged_copy, "gather_into", broken_at_4x16)
     best, wrong = bench_kernels.tune(["tiny"], 1, tiny_bench / "tuned.json", num_tokens=24, device="cpu")
-    assert best == {"gather/16/2": tuning.TileConfig(2, 16, 1), "scatter/16/2": best["scatter/16/2"]}
-    assert len(wrong) == 1 and wrong[0].startswith("gather/16/2 {'BLOCK_T': 4, 'BLOCK_D': 16, 'num_warps': 1}: ")
-    assert "FAIL, rejected gather/16/2" in capsys.readouterr().out
+    assert best == {"gather/device/16/2": tuning.TileConfig(2, 16, 1), "scatter/device/16/2": best["scatter/device/16/2"]}
+    assert len(wrong) == 1 and wrong[0].startswith("gather/device/16/2 {'BLOCK_T': 4, 'BLOCK_D': 16, 'num_warps': 1}: ")
+    assert "FAIL, rejected gather/device/16/2" in capsys.readouterr().out
     assert tuning.load(tiny_bench / "tuned.json") == best
 
 
