@@ -302,7 +302,8 @@ def launch_plan(layers: Layers, direction: str, placement: str = "device") -> La
             cache_bits=as_bits(k0), layer_offsets=_layer_offsets(layers), num_slots=g.num_blocks * g.block_size,
             kv_off=kv_off, cache_strides=(*k0.stride(), *(k0 if layers.v is None else layers.v[0]).stride()),
             constexprs=dict(BLOCK_SIZE=g.block_size, HEAD_SIZE=g.head_size, HIDDEN=g.hidden, NUM_KV=layers.num_kv,
-                            VEC=vector_width(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps),
+                            VEC=vector_width(layers, kv_off), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=num_warps,
+                            LOOP=False),
             block_t=block_t, grid_lk=layers.num_layers * layers.num_kv, grid_d=triton.cdiv(g.hidden, block_d),
             max_programs=max_programs(placement, _sm_count(layers.device) if placement == "pinned" else None),
             generation=tuning.generation())
@@ -318,13 +319,15 @@ def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, s
     if num_tokens <= 0:
         return
     plan = launch_plan(layers, "gather" if kernel is _paged_gather_kernel else "scatter", placement)
-    tiles = (-(-num_tokens // plan.block_t), plan.grid_lk, plan.grid_d)
-    cap = plan.max_programs if _FORCE_MAX_PROGRAMS is None else _FORCE_MAX_PROGRAMS
-    grid = tiles if cap is None else capped_grid(tiles, cap)
+    grid = (-(-num_tokens // plan.block_t), plan.grid_lk, plan.grid_d)
+    constexprs = plan.constexprs  # LOOP=False: one tile per program
+    if plan.max_programs is not None or _FORCE_MAX_PROGRAMS is not None:  # zero-copy (or a test)
+        grid = capped_grid(grid, _FORCE_MAX_PROGRAMS or plan.max_programs)
+        constexprs = {**constexprs, "LOOP": True}
     with on_device(layers.device):
         kernel[grid](plan.cache_bits, plan.layer_offsets, slots, start, as_bits(chunk4), num_tokens, plan.num_slots,
                      plan.grid_lk, plan.kv_off, *plan.cache_strides, *(chunk_strides or chunk4.stride()),
-                     LOOP=grid != tiles, **plan.constexprs)
+                     **constexprs)
 
 
 def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor, start: int = 0, end: int | None = None) -> None:
