@@ -295,3 +295,25 @@ def test_moves_never_wait_for_the_device(kind, monkeypatch):
             syncs.step = ("load", step)
     assert syncs.calls == [], f"calls that would wait for a GPU, (call, step): {syncs.calls}"
     check_paged("flash_attn", src, slots, dst, slots, caches)
+
+
+def test_to_device_keeps_a_tensor_already_there():
+    from lmcache_triton.kernels.common import to_device
+
+    t = torch.arange(5)
+    assert to_device(t, torch.device("cpu")) is t  # nothing to move: the same tensor, no copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_device_sends_host_tensors_without_a_wait():
+    from lmcache_triton.kernels.common import to_device
+
+    t = torch.arange(5)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_sync_debug_mode("error")  # a pageable copy, or any other wait, raises
+    try:
+        got = to_device(t, dev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device == dev and torch.equal(got.cpu(), t)
