@@ -67,6 +67,12 @@ def _conn(**extra):
 
 
 @pytest.fixture(scope="module")
+def run_vllm(run_vllm_in_process):
+    """Engine core in process: half the start time (see run_vllm_in_process)."""
+    return run_vllm_in_process
+
+
+@pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("loras")
     return {"base": None,

@@ -1,6 +1,14 @@
 """The trained model's folder (train_llama's output, at toy scale) is one vLLM serves."""
 
+import pytest
+
 from lmcache_triton.tools.models import SMOKE_RECIPE, train_llama
+
+
+@pytest.fixture(scope="module")
+def run_vllm(run_vllm_in_process):
+    """Engine core in process: half the start time (see run_vllm_in_process)."""
+    return run_vllm_in_process
 
 
 def test_trained_model_loads_in_vllm(run_vllm, tmp_path):

@@ -23,6 +23,13 @@ Q = P[:300] + random_prompt(300, seed=2)  # shares one whole chunk (256 tokens) 
 
 
 @pytest.fixture(scope="module")
+def run_vllm(run_vllm_in_process):
+    """Engine core in process (half the start time); test_second_request_loads_and_outputs_match
+    keeps vLLM's default multiprocess engine, as deployed."""
+    return run_vllm_in_process
+
+
+@pytest.fixture(scope="module")
 def baseline(run_vllm, tiny_model, tmp_path_factory):
     """Outputs of vLLM without the connector."""
     r = run_vllm(tmp_path_factory.mktemp("baseline"),
@@ -38,7 +45,7 @@ def test_second_request_loads_and_outputs_match(run_vllm, tiny_model, baseline, 
     port = free_port()
     r = run_vllm(tmp_path, {"model": tiny_model, "connector": _conn(prometheus_port=port), "steps": [
         {"prompt": P}, {"prompt": P}, {"prompt": Q}, {"prompt": P, "cache_salt": "tenant-b"},
-        {"scrape": f"http://127.0.0.1:{port}/metrics"}]})
+        {"scrape": f"http://127.0.0.1:{port}/metrics"}]}, in_process=False)  # as deployed
     cold, warm, prefix, other_ns, scrape = r["steps"]
     assert cold["cached"] == 0 and cold["tokens"] == baseline["P"]
     assert warm["cached"] == 512, "the two whole chunks of P are loaded"
