@@ -154,9 +154,11 @@ def test_rejects_sliding_window():
         HFLlamaLayerwise(MistralForCausalLM(cfg))
 
 
-def test_through_the_engine_and_paged_cache(model, case):
+def test_through_the_engine_and_paged_cache(model, case, monkeypatch):
     """vLLM's worker path: segments stored alone through the engine, retrieved layerwise into the
-    buffer connector, blended, written into a paged cache."""
+    buffer connector, blended, written into a paged cache. No layer makes a call that would wait
+    for a GPU (HostSyncs, launcher checks on their GPU branch); the request's lookup before and its
+    stats after read only host tensors (token ids, the hit mask)."""
     from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineMetadata, create_gpu_connector
     from lmcache_triton.engine.engine import CacheMode
     from lmcache_triton.blend import SegmentTokenDatabase
@@ -188,8 +190,20 @@ def test_through_the_engine_and_paged_cache(model, case):
                 pass
         dst, slots = make_kv_caches("vllm_packed", fill=-7.0, **geo), random_slot_mapping(T, num_blocks=16,
                                                                                         block_size=8, generator=g)
-        res = LMCBlender(model, config, engine, conn).blend_request(torch.tensor(tokens), kvcaches=dst,
-                                                                   slot_mapping=slots)
+        from lmcache_triton.blend.blender import RetrieverKVSource
+        from lmcache_triton.kernels import common
+        from lmcache_triton.tools.testing import HostSyncs
+
+        monkeypatch.setattr(common, "in_host_memory", lambda t: False)
+        syncs = HostSyncs()
+        layer_kv, finish = RetrieverKVSource.layer_kv, RetrieverKVSource.finish
+        monkeypatch.setattr(RetrieverKVSource, "layer_kv",
+                            lambda self, layer: (setattr(syncs, "step", layer), layer_kv(self, layer))[1])
+        monkeypatch.setattr(RetrieverKVSource, "finish", lambda self: (setattr(syncs, "step", "after"), finish(self)))
+        with syncs:
+            res = LMCBlender(model, config, engine, conn).blend_request(torch.tensor(tokens), kvcaches=dst,
+                                                                       slot_mapping=slots)
+        assert [c for c in syncs.calls if c[1] not in (None, "after")] == [], syncs.calls
         torch.testing.assert_close(res.logits, case["full_logits"], atol=1e-4, rtol=0)
         for layer in range(L):
             got = paged_gather_layer_ref(dst[layer], slots, "vllm_packed").permute(1, 0, 2)
