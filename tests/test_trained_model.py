@@ -79,3 +79,11 @@ def test_bench_blend_quality_runs_on_a_trained_model(smoke_model):
         assert one["kl"] < 1e-4
         assert rows[0.0][task]["positions"] == full["positions"] > 0
     assert rows[0.0]["recomputed_tokens"] < rows[1.0]["recomputed_tokens"] == data["prompt_tokens"]
+
+
+def test_trains_under_a_callers_inference_mode(tmp_path):
+    """`bench.blend --trained` asks for the model inside inference_mode: training must still have
+    autograd (a fresh machine's first run failed in backward())."""
+    with torch.inference_mode():
+        path = train_llama(SMOKE_RECIPE, tmp_path, log=lambda msg: None)
+    assert trained_model_info(path)["loss_curve"], "trained"

@@ -178,6 +178,16 @@ def train_llama(recipe: TrainRecipe = TrainRecipe(), root: str | Path | None = N
     the held-out file names (what `bench.blend --trained` draws its documents from).
     """
     import torch
+
+    # Training needs autograd whatever mode the caller runs in (`bench.blend --trained` runs under
+    # inference_mode: a fresh machine's first run failed in backward()).
+    with torch.inference_mode(False), torch.enable_grad():
+        return _train_llama(recipe, root, log=log, stdlib=stdlib)
+
+
+def _train_llama(recipe: TrainRecipe, root: str | Path | None, *, log: Callable[[str], None] | None,
+                 stdlib: str | Path | None) -> Path:
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
