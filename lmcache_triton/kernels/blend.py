@@ -117,12 +117,16 @@ def num_recompute_tokens(ratio: float, num_tokens: int) -> int:
     return min(num_tokens, math.ceil(Fraction(repr(float(ratio))) * num_tokens))
 
 
-def _check_selection(deviation, ratio, always) -> tuple[int, torch.Tensor | None]:
+def _check_scores(deviation) -> None:
     if not isinstance(deviation, torch.Tensor):
         raise ValueError(f"deviation must be a torch.Tensor, got {type(deviation).__name__}")
     if deviation.dim() != 1 or not deviation.is_floating_point():
         raise ValueError(f"deviation must be a 1-D float tensor [T], got {deviation.dtype} "
                          f"of shape {tuple(deviation.shape)}")
+
+
+def _check_selection(deviation, ratio, always) -> tuple[int, torch.Tensor | None]:
+    _check_scores(deviation)
     num_tokens = deviation.numel()
     k = num_recompute_tokens(ratio, num_tokens)
     if always is None:
@@ -179,10 +183,7 @@ _FMAX = torch.finfo(torch.float32).max
 
 
 def _check_top(deviation, n, first) -> None:
-    if not isinstance(deviation, torch.Tensor) or deviation.dim() != 1 or not deviation.is_floating_point():
-        raise ValueError(f"deviation must be a 1-D float tensor [T], got "
-                         f"{getattr(deviation, 'dtype', type(deviation).__name__)} of shape "
-                         f"{tuple(getattr(deviation, 'shape', ()))}")
+    _check_scores(deviation)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= deviation.numel():
         raise ValueError(f"n must be an int in [0, {deviation.numel()}] (the rows to keep), got {n!r}")
     if first is not None and (not isinstance(first, torch.Tensor) or first.dtype != torch.bool

@@ -247,13 +247,6 @@ def capped_grid(tiles: tuple[int, int, int], cap: int | None) -> tuple[int, int,
     return max(1, min(n_t, cap // (p_d * p_lk))), p_lk, p_d
 
 
-def launch_grid(placement: str, num_tokens: int, block_t: int, grid_lk: int, grid_d: int,
-                sm_count: int | None) -> tuple[int, int, int]:
-    """The grid a launch of ``num_tokens`` tokens gets for a chunk's placement on a GPU of
-    ``sm_count`` SMs: full for ``device``, capped for ``pinned`` (what `_launch` does)."""
-    return capped_grid((-(-num_tokens // block_t), grid_lk, grid_d), max_programs(placement, sm_count))
-
-
 def _check_chunk_device(t: torch.Tensor, name: str, layers: Layers) -> str:
     """The chunk's placement, ``device`` or ``pinned`` (a pinned host chunk for a CUDA cache),
     or ValueError."""

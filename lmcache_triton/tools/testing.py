@@ -97,9 +97,9 @@ def stop_session(proc, grace_s: float = 20.0) -> None:
 class HostSyncs(torch.overrides.TorchFunctionMode):
     """Records the torch calls that make the host wait for the device when their tensor is on a GPU:
     reading values (`item`, `int()`, `float()`, `bool()`, `tolist`, `numpy`), copies to the host
-    (`cpu`; not `.to(device)`, which a CPU run cannot tell from a copy to the GPU), and ops whose output size depends on the values (`nonzero`, `unique`,
-    `masked_select`, indexing by a bool mask, one-argument `where`, `repeat_interleave` without
-    `output_size`). On a CPU they cost nothing, but they are where a GPU run would wait, so a CPU
+    (`cpu`; not `.to(device)`, which a CPU run cannot tell from a copy to the GPU), and ops whose
+    output size depends on the values (`nonzero`, `unique`, `masked_select`, indexing by a bool
+    mask, one-argument `where`, `repeat_interleave` without `output_size`). On a CPU they cost nothing, but they are where a GPU run would wait, so a CPU
     test can count them. Calls on the tensors in `host` (the caller's inputs, in host memory
     anyway) are not recorded. `calls` lists (function name, step) with `step` set by the caller.
     """

@@ -3,7 +3,8 @@
 CPU torch cannot pin memory here, so the capped kernel path is forced on CPU tensors
 (`paged_copy._FORCE_MAX_PROGRAMS`) and run in the interpreter, where it must give the torch
 reference's bytes exactly; the choice of the grid itself is a pure function of placement and SM
-count (`paged_copy.launch_grid`), tested directly."""
+count (`max_programs`, then `capped_grid`, as the launch plan and `_launch` apply them), tested
+directly."""
 
 from __future__ import annotations
 
@@ -136,25 +137,31 @@ def test_capped_grid_per_layer_chunks(spies, monkeypatch):
 
 # ---------------------------------------------------------------- which grid a placement gets
 
+def _grid(placement, num_tokens, block_t, grid_lk, grid_d, sm_count):
+    """The grid a launch gets: the plan's cap for the placement, applied by `_launch`."""
+    return paged_copy.capped_grid((-(-num_tokens // block_t), grid_lk, grid_d),
+                                  paged_copy.max_programs(placement, sm_count))
+
+
 def test_pinned_placement_gets_a_capped_grid_device_the_full_one():
     # Llama-3-8B: 32 layers x K/V, hidden 1024 (one column tile of 1024), 8K tokens in tiles of 4.
     n_t, lk, d = 2048, 64, 1
-    assert paged_copy.launch_grid("device", 8192, 4, lk, d, sm_count=132) == (n_t, lk, d)
-    assert paged_copy.launch_grid("device", 8192, 4, lk, d, sm_count=None) == (n_t, lk, d)
+    assert _grid("device", 8192, 4, lk, d, 132) == (n_t, lk, d)
+    assert _grid("device", 8192, 4, lk, d, None) == (n_t, lk, d)
     cap = paged_copy.zero_copy_max_programs(132)
     assert cap == 66                                          # H100 / H200: half the SMs
-    grid = paged_copy.launch_grid("pinned", 8192, 4, lk, d, sm_count=132)
+    grid = _grid("pinned", 8192, 4, lk, d, 132)
     assert grid == (1, 64, 1)                                 # each program loops over the token tiles
     # 80 layers, 4 column tiles: the total is capped, not one axis (layers x K/V loops too)
-    grid = paged_copy.launch_grid("pinned", 8192, 4, 160, 4, sm_count=132)
+    grid = _grid("pinned", 8192, 4, 160, 4, 132)
     assert grid[2] == 4 and grid[0] * grid[1] * grid[2] <= cap
-    assert paged_copy.launch_grid("device", 8192, 4, 160, 4, sm_count=132) == (2048, 160, 4)
+    assert _grid("device", 8192, 4, 160, 4, 132) == (2048, 160, 4)
     # a small request already within the cap keeps one program per tile
-    assert paged_copy.launch_grid("pinned", 5, 4, 4, 1, sm_count=132) == (2, 4, 1)
+    assert _grid("pinned", 5, 4, 4, 1, 132) == (2, 4, 1)
     # scales with the SM count, with a floor for small GPUs
     assert paged_copy.zero_copy_max_programs(264) == 132
     assert paged_copy.zero_copy_max_programs(20) == paged_copy.ZERO_COPY_MIN_PROGRAMS
-    big = paged_copy.launch_grid("pinned", 1 << 20, 4, 64, 2, sm_count=264)
+    big = _grid("pinned", 1 << 20, 4, 64, 2, 264)
     assert big[0] * big[1] * big[2] <= 132
     assert paged_copy.max_programs("device", 132) is None
     with pytest.raises(ValueError, match="placement"):
