@@ -291,3 +291,36 @@ def test_stores_and_retrieves_hold_off_committing_the_tier_ahead():
     pool.defer_prefault(60)      # a step under way
     engine.retrieve(tokens, kvcaches=caches(fill=0), slot_mapping=slots)
     assert pool._busy_until - time.monotonic() > 50
+
+
+@pytest.mark.parametrize("fault", ["closed-after-one-layer", "rotation-fails-at-layer-1"])
+def test_a_blend_store_with_key_rotation_that_stops_halfway_stores_nothing_and_frees_everything(fault):
+    """CacheBlend's store rotates K inside the connector's per-layer steps: a store closed early,
+    or whose rotation fails on a later layer, puts nothing and gives the pool its bytes back."""
+    from lmcache_triton.engine.engine import CacheMode
+
+    base, caches = _setup(layerwise=True)
+    calls = []
+
+    def rotation(k, chunk_starts):
+        calls.append(k.shape[0])
+        if fault == "rotation-fails-at-layer-1" and len(calls) > 1:
+            raise _Boom("rotation failed")
+        k.neg_()
+
+    mode = CacheMode(base.mode.token_database, key_rotation=rotation)
+    engine = LMCacheEngineBuilder.get_or_create("t-rot", base.config, base.metadata, base.gpu_connector, mode)
+    src = caches(g=torch.Generator().manual_seed(0))
+    tokens = torch.arange(2 * CHUNK)
+    slots = _slots(len(tokens), 1)
+    storer = engine.store_layer(tokens, kvcaches=src, slot_mapping=slots)
+    next(storer)
+    if fault == "closed-after-one-layer":
+        storer.close()
+    else:
+        with pytest.raises(_Boom):
+            for _ in storer:
+                pass
+    assert calls, "the rotation ran in the store's steps"
+    assert engine.lookup(tokens) == 0 and engine.storage_manager.cpu.used_bytes == 0
+    assert engine.storage_manager.cpu.num_held == 0
