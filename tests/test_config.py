@@ -500,11 +500,12 @@ def test_one_declaration_per_field():
     assert [n for n, f in config_mod._FIELDS.items() if f.meta["secret"]] == ["remote_auth_token", "namespace_secret"]
 
 
-def test_readme_reference_is_the_declarations():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    start = readme.index("<!-- config-reference")
-    body = readme[readme.index("\n", start) + 1:readme.index("<!-- /config-reference -->")]
-    assert body == config_mod.reference(), "paste lmcache_triton.config.reference() between the markers"
+def test_configuration_page_reference_is_the_declarations():
+    page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    start = page.index("<!-- config-reference")
+    body = page[page.index("\n", start) + 1:page.index("<!-- /config-reference -->")]
+    assert body == config_mod.reference(), \
+        "regenerate docs/configuration.md: python -m lmcache_triton.tools.config_docs > docs/configuration.md"
     for name in config_mod._FIELDS:
         assert f"| `{name}` |" in body
 

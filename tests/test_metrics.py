@@ -68,12 +68,12 @@ def test_metrics_scrape_reflects_engine_activity():
 
 
 def _documented() -> set[str]:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    section = page.split("\n## The metrics\n", 1)[1].split("\n## ", 1)[0]
     return set(re.findall(r"^\| `(lmcache_triton_[a-z_]+)` \|", section, re.MULTILINE))  # the table's rows
 
 
-def test_every_exported_metric_is_documented_in_the_readme_and_named_by_the_rules():
+def test_every_exported_metric_is_documented_in_the_docs_and_named_by_the_rules():
     from prometheus_client import REGISTRY, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -92,7 +92,7 @@ def test_every_exported_metric_is_documented_in_the_readme_and_named_by_the_rule
         LMCacheEngineBuilder.destroy("metrics-names")
     exported = {f.name + ("_total" if f.type == "counter" else ""): f.type for f in families}
     documented = _documented()
-    assert len(documented) > 20 and set(exported) == documented, "README's Metrics table lists what is exported"
+    assert len(documented) > 20 and set(exported) == documented, "docs/metrics.md's table lists what is exported"
     units = ("_seconds", "_bytes", "_tokens", "_chunks", "_ratio", "_requests", "_per_second")
     for name, kind in exported.items():
         base = name.removesuffix("_total")
