@@ -11,9 +11,9 @@ holds its default, its doc and the values it accepts. Coercion, the checks, the 
 all derived from that declaration (``_FIELDS``). A config is frozen once built: change one with
 :meth:`LMCacheEngineConfig.replace`, which returns a new, validated config.
 
-This module imports only the standard library and PyYAML (no other module of this package: it is
-the lowest floor), and does nothing at import. The remote_url schemes (``REMOTE_SCHEMES``) and
-:func:`redact_url` live here too, and storage/ uses them.
+This module imports only the standard library, PyYAML and the modules it is built from (the
+lowest floor, as they are), and does nothing at import. The remote_url schemes and their
+redaction are in :mod:`lmcache_triton.remote_url`, which storage/ reads too.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import yaml
 
+from lmcache_triton.remote_url import named_like_secret, redact_url, remote_url_forms, remote_url_problem
+
 __all__ = [
-    "CLUSTER_PROTOCOLS", "ConfigError", "LMCacheEngineConfig", "cluster_nodes", "ENV_PREFIX", "CONFIG_FILE_ENV", "REMOTE_SCHEMES",
-    "connector_overrides", "option", "redact_url", "reference", "remote_url_forms", "reset_warnings",
+    "ConfigError", "LMCacheEngineConfig", "ENV_PREFIX", "CONFIG_FILE_ENV",
+    "connector_overrides", "option", "reference", "reset_warnings",
 ]
 
 logger = logging.getLogger("lmcache_triton")
@@ -58,126 +59,12 @@ _NON_FIELD_ENV = frozenset(
 # the LMCache names of _LMCACHE_NAMES / _CONNECTOR_KEYS that are mapped or ignored.
 _warned_env: set[str] = set()
 
-# The remote_url schemes, the one table: scheme -> the protocol its backend speaks. "lm" is the cache
-# server here; the others are served by storage/redis_backend.py, which hands redis-py the
-# protocol's scheme (valkey:// is redis://, valkeys:// is rediss://, TLS).
-REMOTE_SCHEMES: Mapping[str, str] = types.MappingProxyType(
-    {"lm": "lm", "redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
-     # a Redis Cluster / Valkey cluster given by one or more seed nodes (redis-py's cluster client)
-     "redis-cluster": "redis-cluster", "rediss-cluster": "rediss-cluster",
-     "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
-)
-CLUSTER_PROTOCOLS = ("redis-cluster", "rediss-cluster")
-# Substrings of names (extra_config keys, URL query parameters) whose values are redacted.
-_SECRET_WORDS = ("pass", "secret", "token", "credential", "auth")
-
-
 class ConfigError(ValueError):
     """An invalid configuration value, key, file or environment variable."""
 
 
-def remote_url_forms() -> str:
-    """The accepted remote_url forms, for messages and docs."""
-    def form(scheme: str, protocol: str) -> str:
-        if protocol == "lm":
-            return f"{scheme}://host:port"
-        if protocol in CLUSTER_PROTOCOLS:
-            return f"{scheme}://host:port[,host:port...]"
-        return f"{scheme}://host:port[/db]"
-
-    return ", ".join(form(s, p) for s, p in REMOTE_SCHEMES.items())
-
-
-def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
-    """(seed nodes, user name, password) of a `redis-cluster://[user:password@]host:port[,host:port...]`
-    URL; ValueError naming the part that is wrong (never showing the password)."""
-    _, _, rest = url.partition("://")
-    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
-    userinfo, at, hosts = rest[:end].rpartition("@")
-    user = password = None
-    if at:
-        name, colon, secret = userinfo.partition(":")
-        user, password = (unquote(name) or None), (unquote(secret) if colon else None)
-        if not colon:  # redis://TOKEN@host: the user info is the password (as redis-py reads it)
-            user, password = None, unquote(name)
-    nodes = []
-    for item in hosts.split(","):
-        try:
-            parts = urlsplit(f"//{item}")
-            port = parts.port
-        except ValueError as e:
-            raise ValueError(f"cluster node {item!r}: {e}") from None
-        if not parts.hostname or port is None:
-            raise ValueError(f"cluster node {item!r} is not host:port")
-        nodes.append((parts.hostname, port))
-    return nodes, user, password
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit for logs, errors and stats: the password of its user info becomes ``***`` (the
-    user name stays); user info without a password (``scheme://TOKEN@host``, a token for some
-    services) becomes ``***`` whole; so do the values of query parameters named like secrets.
-    Plain string work, so a URL that ``urlsplit`` refuses is redacted all the same."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
-    netloc, tail = rest[:end], rest[end:]
-    userinfo, at, host = netloc.rpartition("@")
-    if at:
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{host}" if colon else f"***@{host}"
-    path, q, query = tail.partition("?")
-    if q:
-        query, hash_, fragment = query.partition("#")
-        params = []
-        for param in query.split("&"):
-            name, eq, _ = param.partition("=")
-            params.append(f"{name}=***" if eq and any(w in name.lower() for w in _SECRET_WORDS) else param)
-        tail = f"{path}?{'&'.join(params)}{hash_}{fragment}"
-    return f"{scheme}{sep}{netloc}{tail}"
-
-
-def _check_remote_url(url: str) -> None:
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"invalid value for 'remote_url': {why}; accepted forms: {remote_url_forms()}, "
-                           f"got {redact_url(url)!r}")
-
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if REMOTE_SCHEMES.get(scheme) in CLUSTER_PROTOCOLS:
-        try:
-            cluster_nodes(url)
-        except ValueError as e:
-            raise bad(str(e)) from None
-        rest = url.partition("://")[2]
-        tail = rest[min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest)):]
-        if tail not in ("", "/"):
-            raise bad(f"{scheme}:// URLs take no path, query or fragment (a cluster has database 0 only)")
-        return
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise bad(str(e)) from None
-    if parts.scheme not in REMOTE_SCHEMES:
-        raise bad(f"unsupported scheme {parts.scheme!r}" if parts.scheme else "no scheme")
-    if not parts.hostname:
-        raise bad("missing host")
-    if REMOTE_SCHEMES[parts.scheme] == "lm":
-        if port is None:
-            raise bad("missing port")
-        if parts.path not in ("", "/"):
-            raise bad(f"{parts.scheme}:// URLs take no path")
-    else:
-        db = parts.path.strip("/")
-        if db and not db.isdigit():
-            raise bad(f"the database must be a number, got {db!r}")
-    if parts.query or parts.fragment:
-        raise bad("no query or fragment allowed")
-
-
 def _redact_secret_keys(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: "***" if isinstance(k, str) and any(w in k.lower() for w in _SECRET_WORDS) else v
+    return {k: "***" if isinstance(k, str) and named_like_secret(k) else v
             for k, v in mapping.items()}
 
 
@@ -297,7 +184,7 @@ class LMCacheEngineConfig:
     remote_url: str | None = option(
         None, "The remote tier: the cache server here (lm://), Redis / Valkey, or a Redis Cluster / "
         "Valkey cluster (several seed nodes). A password in it is "
-        "redacted wherever the URL is shown.", check=_check_remote_url, accepted=remote_url_forms(),
+        "redacted wherever the URL is shown.", check=remote_url_problem, accepted=remote_url_forms(),
         redact=redact_url)
     remote_serde: str = option("naive", "How chunks are encoded for the remote tier (lz4: lossless).",
                                choices=("naive", "lz4"))
