@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
-import math
 import os
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from lmcache_triton.config_fields import (
+    FALSE_WORDS, NONE_WORDS, TRUE_WORDS, ConfigError, Field, build_fields, field_reference, is_number, option,
+    suggest, thaw, unknown_key, unquote,
+)
 from lmcache_triton.remote_url import named_like_secret, redact_url, remote_url_forms, remote_url_problem
 
 __all__ = [
@@ -59,10 +59,6 @@ _NON_FIELD_ENV = frozenset(
 # the LMCache names of _LMCACHE_NAMES / _CONNECTOR_KEYS that are mapped or ignored.
 _warned_env: set[str] = set()
 
-class ConfigError(ValueError):
-    """An invalid configuration value, key, file or environment variable."""
-
-
 def _redact_secret_keys(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {k: "***" if isinstance(k, str) and named_like_secret(k) else v
             for k, v in mapping.items()}
@@ -85,50 +81,6 @@ def _disk_path(value: str) -> str:
                           f"('/path' or 'file:///path') or None, got {value!r}")
     return path
 
-
-# ---------------------------------------------------------------------------------------
-# Declaring a field: option()
-# ---------------------------------------------------------------------------------------
-def option(default: Any, doc: str, *, choices: tuple[Any, ...] = (), ge: float | None = None,
-           gt: float | None = None, le: float | None = None, nonempty: bool = False,
-           check: Callable[[Any], str | None] | None = None, normalize: Callable[[Any], Any] | None = None,
-           accepted: str = "", secret: bool = False, redact: Callable[[Any], Any] | None = None,
-           ours: bool = False) -> Any:
-    """A field of :class:`LMCacheEngineConfig`: its default, its doc, and the values it accepts.
-
-    The type is the field's annotation (``int``, ``float``, ``bool``, ``str``, ``tuple[int, ...]``,
-    ``tuple[float, ...]``, ``dict[str, Any]``; ``| None`` for optional ones). ``choices``: the
-    accepted values; ``ge``/``gt``/``le``: bounds (of each element for a tuple); ``nonempty``: a
-    tuple needs one element or more; ``check(value)``: the reason a value is refused, or None;
-    ``normalize(value)``: the stored form of a value of the same meaning (``file:///x`` -> ``/x``);
-    ``accepted``: the accepted values in words, for the reference, where ``check`` says them;
-    ``secret``: shown as ``***`` in repr(), errors and ``to_dict(redact=True)``; ``redact(value)``: the
-    value as those show it, where only part of it is secret; ``ours``: not an LMCache field.
-    """
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("a field's default must be immutable: a tuple, or None for a mapping")
-    meta = dict(doc=doc, choices=choices, ge=ge, gt=gt, le=le, nonempty=nonempty, check=check,
-                normalize=normalize, accepted=accepted, secret=secret, redact=redact, ours=ours)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def _suggest(name: str, candidates) -> str:
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean '{match[0]}'?" if match else ""
-
-
-def _unknown_key(key: Any, source: str = "", bare: str | None = None) -> ConfigError:
-    where = f" in {source}" if source else ""
-    hint = _suggest(str(key) if bare is None else bare, _FIELDS)
-    return ConfigError(
-        f"unknown config key {key!r}{where}{hint} "
-        f"(valid keys: {', '.join(_FIELDS)})"
-    )
-
-
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
-_NONE = frozenset({"none", "null", ""})
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,7 +319,7 @@ class LMCacheEngineConfig:
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """All fields as a plain dict of plain values (lists, dicts; copies); ``redact`` hides
         secrets: the secret fields, remote_url's password, extra_config keys named like secrets."""
-        d = {name: _thaw(getattr(self, name)) for name in _FIELDS}
+        d = {name: thaw(getattr(self, name)) for name in _FIELDS}
         if redact:
             for name, f in _FIELDS.items():
                 d[name] = f.shown(d[name])
@@ -434,202 +386,6 @@ LMCacheEngineConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assi
 LMCacheEngineConfig.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
 
 
-# ---------------------------------------------------------------------------------------
-# The field table, derived from the declarations above
-# ---------------------------------------------------------------------------------------
-class _FrozenDict(dict):
-    """A dict that refuses changes (``extra_config`` as stored); hashable when its values are."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("extra_config is read-only (the config is frozen): "
-                        "use config.replace(extra_config={...})")
-
-    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
-    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(frozenset(self.items()))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_FrozenDict, (dict(self),))
-
-    def __copy__(self) -> _FrozenDict:
-        return self
-
-    def __deepcopy__(self, memo: Any) -> _FrozenDict:
-        return self
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return _FrozenDict({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# The scalar types a field (or a list field's elements) may have: kind -> test of a value.
-_IS: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-}
-
-
-@dataclass(frozen=True, eq=False)
-class _Field:
-    """One field, as its declaration says: name, type (``kind``: int, float, bool, str, list[int],
-    list[float] or dict, as written in YAML), default, doc and accepted values."""
-
-    name: str
-    kind: str
-    optional: bool
-    default: Any
-    meta: Mapping[str, Any]
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    def describe(self) -> str:
-        return f"{self.kind} or None" if self.optional else self.kind
-
-    def shown(self, value: Any) -> Any:
-        """``value`` as errors and ``to_dict(redact=True)`` may show it."""
-        if value is None:
-            return None
-        if self.meta["secret"]:
-            return "***"
-        redact = self.meta["redact"]
-        try:
-            return value if redact is None else redact(value)
-        except (TypeError, AttributeError):  # a value of the wrong type, about to be refused
-            return value
-
-    def _type_error(self, value: Any) -> ConfigError:
-        return ConfigError(f"invalid value for '{self.name}': expected {self.describe()}, "
-                           f"got {type(value).__name__} {self.shown(value)!r}")
-
-    def coerce(self, value: Any) -> Any:
-        """``value`` checked against the type and stored in its normal form: int -> float for a
-        float, a list (or a lone scalar, as LMCache accepts) -> a tuple, a mapping -> a read-only
-        dict, plus the field's own ``normalize``."""
-        if value is None:
-            if self.optional:
-                return None
-            raise self._type_error(value)
-        kind, out = self.kind, _MISSING
-        if kind == "dict":
-            if isinstance(value, Mapping):
-                if not all(isinstance(k, str) for k in value):
-                    raise ConfigError(f"invalid value for '{self.name}': keys must be strings, "
-                                      f"got {self.shown(value)!r}")
-                out = _freeze(value)
-        elif kind.startswith("list["):
-            elem = kind[len("list["):-1]
-            items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-            if all(_IS[elem](x) for x in items):
-                out = tuple(float(x) for x in items) if elem == "float" else items
-        elif _IS[kind](value):
-            out = float(value) if kind == "float" else value
-            if kind == "float" and not math.isfinite(out):
-                raise ConfigError(f"invalid value for '{self.name}': must be a finite number, got {value!r}")
-        if out is _MISSING:
-            raise self._type_error(value)
-        normalize = self.meta["normalize"]
-        return normalize(out) if normalize is not None else out
-
-    def check(self, value: Any) -> None:
-        """Refuse a (coerced) value outside the accepted ones."""
-        if value is None:
-            return
-        m, name = self.meta, self.name
-        items = value if self.kind.startswith("list") else (value,)
-        each = "each value " if self.kind.startswith("list") else ""
-        if m["nonempty"] and not items:
-            raise ConfigError(f"invalid value for '{name}': must be a non-empty list")
-        if m["choices"] and value not in m["choices"]:
-            hint = _LMCACHE_VALUES.get(name, {}).get(value, (None, ""))[1]
-            raise ConfigError(f"invalid value for '{name}': must be one of {', '.join(map(repr, m['choices']))}, "
-                              f"got {value!r}" + (f" ({hint})" if hint else ""))
-        ge, gt, le = m["ge"], m["gt"], m["le"]
-        for x in items:
-            if ge is not None and le is not None and not ge <= x <= le:
-                why = f"must be in [{ge}, {le}]"
-            elif ge is not None and x < ge:
-                why = f"must be >= {ge}"
-            elif gt is not None and x <= gt:
-                why = f"must be > {gt}"
-            else:
-                continue
-            raise ConfigError(f"invalid value for '{name}': {each}{why}{' or None' if self.optional else ''}, "
-                              f"got {value!r}")
-        reason = m["check"](value) if m["check"] is not None else None
-        if reason:
-            raise ConfigError(f"invalid value for '{name}': {reason}, got {self.shown(value)!r}")
-
-
-_MISSING = object()
-
-
-def _build_fields() -> dict[str, _Field]:
-    hints = typing.get_type_hints(LMCacheEngineConfig)
-    out = {}
-    for f in dataclasses.fields(LMCacheEngineConfig):
-        tp, optional = hints[f.name], False
-        if typing.get_origin(tp) in (types.UnionType, typing.Union):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            optional, (tp,) = True, args
-        origin = typing.get_origin(tp)
-        if origin is tuple:
-            kind = f"list[{typing.get_args(tp)[0].__name__}]"
-        else:
-            kind = "dict" if origin is dict else tp.__name__
-        assert kind in (*_IS, "list[int]", "list[float]", "dict"), (f.name, kind)
-        out[f.name] = _Field(f.name, kind, optional, f.default, f.metadata)
-    return out
-
-
-_FIELDS: dict[str, _Field] = _build_fields()
-
-
-def reference() -> str:
-    """The fields as a Markdown table (name, type, default, accepted values, doc): the README's."""
-    rows = ["| Field | Type | Default | Accepts | Meaning |", "|---|---|---|---|---|"]
-    for f in _FIELDS.values():
-        m = f.meta
-        accepts = [m["accepted"]] if m["accepted"] else []
-        if m["choices"]:
-            accepts.append(" \\| ".join(map(str, m["choices"])))
-        if m["ge"] is not None and m["le"] is not None:
-            accepts.append(f"{m['ge']}..{m['le']}")
-        elif m["ge"] is not None:
-            accepts.append(f">= {m['ge']}")
-        elif m["gt"] is not None:
-            accepts.append(f"> {m['gt']}")
-        if m["nonempty"]:
-            accepts.append("non-empty")
-        default = f"`{json.dumps(_thaw(f.default))}`"
-        doc = m["doc"] + (" *Not in LMCache.*" if m["ours"] else "") + (" Secret: redacted." if m["secret"] else "")
-        rows.append(f"| `{f.name}` | {f.describe()} | {default} | {', '.join(accepts)} | {doc} |")
-    return "\n".join(rows) + "\n"
-
 
 # ---------------------------------------------------------------------------------------
 # LMCache's other names: one table says what becomes of every configuration name LMCache
@@ -681,7 +437,7 @@ def _ratio_from_lmcache(name: str, value: Any) -> tuple[Any, str]:
     benchmark example writes `blend_recompute_ratio: 15  # default`, a percentage: values above 1
     (up to 100) are read as percentages."""
     items = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not items or not all(_is_number(x) for x in items) or any(not 0 <= x <= 100 for x in items):
+    if not items or not all(is_number(x) for x in items) or any(not 0 <= x <= 100 for x in items):
         raise ConfigError(
             f"invalid value for '{name}' (LMCache's old name of blend_recompute_ratios): expected "
             f"a fraction in [0, 1] or a percentage in (1, 100], got {value!r}"
@@ -698,7 +454,7 @@ def _same(name: str, value: Any) -> tuple[Any, str]:
 def _discard_partial(name: str, value: Any) -> tuple[Any, str]:
     """vLLM connector key `discard_partial_chunks`: LMCache discards partial chunks when it is
     true or save_unfull_chunk is false, so true means save_unfull_chunk=False (false: no effect)."""
-    if isinstance(value, str) and value.strip().lower() in _TRUE:
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS:
         value = True
     if value is not True:
         raise ConfigError(
@@ -866,6 +622,16 @@ _CONNECTOR_KEYS: dict[str, _Compat] = {
 }
 
 
+# The field table, derived from the declaration above.
+_FIELDS: dict[str, Field] = build_fields(
+    LMCacheEngineConfig, {name: {value: why for value, (_, why) in table.items()} for name, table in _LMCACHE_VALUES.items()})
+
+
+def reference() -> str:
+    """The fields as a Markdown table (name, type, default, accepted values, doc): the README's."""
+    return field_reference(_FIELDS)
+
+
 def reset_warnings() -> None:
     """Forget which names were warned about, so the next load warns about each again."""
     _warned_env.clear()
@@ -882,12 +648,12 @@ def _matches_default(value: Any, default: Any) -> bool:
     if default is _ANY:
         return False
     if isinstance(value, str):
-        text = _unquote(value).strip()
+        text = unquote(value).strip()
         low = text.lower()
         if default is None:
-            return low in _NONE
+            return low in NONE_WORDS
         if isinstance(default, bool):
-            return low in (_TRUE if default else _FALSE)
+            return low in (TRUE_WORDS if default else FALSE_WORDS)
         if isinstance(default, (int, float)):
             try:
                 return float(text) == default
@@ -898,7 +664,7 @@ def _matches_default(value: Any, default: Any) -> bool:
         return value is default
     if default is None or value is None:
         return value is default
-    if _is_number(value) and _is_number(default):
+    if is_number(value) and is_number(default):
         return float(value) == float(default)
     return False
 
@@ -979,7 +745,7 @@ def _translate(values: Mapping[Any, Any], where: str) -> dict[str, Any]:
             continue
         entry = _LMCACHE_NAMES.get(k) if isinstance(k, str) else None
         if entry is None:
-            raise _unknown_key(k, where)
+            raise unknown_key(k, _FIELDS, where)
         _apply_compat(k, entry, v, where, out)
     return out
 
@@ -993,7 +759,7 @@ def connector_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     bare: dict[str, Any] = {}
     for key, value in (extra or {}).items():
         if not isinstance(key, str):
-            raise _unknown_key(key, "kv_connector_extra_config")
+            raise unknown_key(key, _FIELDS, "kv_connector_extra_config")
         if key.startswith(OVERRIDE_PREFIX):
             overrides[key] = value
         else:
@@ -1010,7 +776,7 @@ def connector_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         else:
             _warn_once(f"extra:{key}", (
                 f"ignoring kv_connector_extra_config key '{key}': neither LMCache's connector nor "
-                f"this one reads it{_suggest(key, list(_CONNECTOR_KEYS))}"))
+                f"this one reads it{suggest(key, list(_CONNECTOR_KEYS))}"))
     return out
 
 
@@ -1021,17 +787,11 @@ def _env_name(key: str) -> str:
     return ENV_PREFIX + key.upper()
 
 
-def _unquote(s: str) -> str:
-    t = s.strip()
-    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
-        return t[1:-1]
-    return s
-
 
 def _parse_env(key: str, raw: str) -> Any:
     """Parse the text of ``LMCACHE_<KEY>`` by the field's type."""
     f = _FIELDS[key]
-    var = f.env
+    var = _env_name(key)
     text = raw.strip()
 
     def fail(extra: str = "") -> ConfigError:
@@ -1040,17 +800,17 @@ def _parse_env(key: str, raw: str) -> Any:
             + (f" ({extra})" if extra else "")
         )
 
-    if f.optional and text.lower() in _NONE:
+    if f.optional and text.lower() in NONE_WORDS:
         return None
     kind = f.kind
     if kind == "str":
         # Strings are kept as written (blend_special_str is " # # "), quotes removed.
-        return _unquote(raw)
+        return unquote(raw)
     if kind == "bool":
         low = text.lower()
-        if low in _TRUE:
+        if low in TRUE_WORDS:
             return True
-        if low in _FALSE:
+        if low in FALSE_WORDS:
             return False
         raise fail("one of true/false/1/0/yes/no/on/off")
     if kind == "int":
@@ -1150,10 +910,10 @@ def _strip_override_prefix(overrides: Mapping[str, Any], where: str = "overrides
     out: dict[str, Any] = {}
     for raw_key, value in overrides.items():
         if not isinstance(raw_key, str):
-            raise _unknown_key(raw_key, where)
+            raise unknown_key(raw_key, _FIELDS, where)
         key = raw_key[len(OVERRIDE_PREFIX):] if raw_key.startswith(OVERRIDE_PREFIX) else raw_key
         if key not in _FIELDS and key not in _LMCACHE_NAMES:
-            raise _unknown_key(raw_key, where, bare=key)
+            raise unknown_key(raw_key, _FIELDS, where, bare=key)
         if key in out and out[key] != value:
             raise ConfigError(
                 f"config key '{key}' is given twice in {where} with different values "
@@ -1172,4 +932,4 @@ def _shown(key: str, value: Any) -> Any:
 def _check_keys(values: Mapping[str, Any], source: str) -> None:
     for k in values:
         if k not in _FIELDS:
-            raise _unknown_key(k, source)
+            raise unknown_key(k, _FIELDS, source)
