@@ -71,6 +71,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     import os
 
     from lmcache_triton import config as cfg
+    from lmcache_triton.lmcache_compat import reset_warnings
 
     class _Collect(logging.Handler):
         def __init__(self) -> None:
@@ -83,7 +84,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     source = args.file or os.environ.get(cfg.CONFIG_FILE_ENV) or None
     lg = logging.getLogger("lmcache_triton")
     collect, propagate = _Collect(), lg.propagate
-    cfg.reset_warnings()  # every warning of this load, even ones this process already gave
+    reset_warnings()  # every warning of this load, even ones this process already gave
     lg.addHandler(collect)
     lg.propagate = False
     try:
