@@ -1,9 +1,10 @@
-"""Engine configuration: :class:`LMCacheEngineConfig`.
+"""Engine configuration: the declaration of :class:`LMCacheEngineConfig`.
 
 The field names, meanings and (where LMCache has them) defaults follow LMCache's
 ``lmcache/v1/config.py`` so that an LMCache YAML file or set of ``LMCACHE_*`` variables
 works here unchanged for the options this package implements. LMCache's other names are
-mapped, ignored with a warning that says why, or refused: see ``_LMCACHE_NAMES``.
+mapped, ignored with a warning that says why, or refused: see
+:data:`lmcache_triton.lmcache_compat.LMCACHE_NAMES`.
 
 Each field is declared once, in the class body: its annotation is its type, and :func:`option`
 holds its default, its doc and the values it accepts. Coercion, the checks, the parsing of
@@ -11,55 +12,33 @@ holds its default, its doc and the values it accepts. Coercion, the checks, the 
 all derived from that declaration (``_FIELDS``). A config is frozen once built: change one with
 :meth:`LMCacheEngineConfig.replace`, which returns a new, validated config.
 
-This module imports only the standard library, PyYAML and the modules it is built from (the
-lowest floor, as they are), and does nothing at import. The remote_url schemes and their
-redaction are in :mod:`lmcache_triton.remote_url`, which storage/ reads too.
+This module holds the declaration and the constructors; the rest lives in rooms of one concern
+each, all on the lowest floor with this one (the standard library and PyYAML only, nothing done
+at import): the field framework (:mod:`~lmcache_triton.config_fields`), LMCache's names and the
+connector's keys (:mod:`~lmcache_triton.lmcache_compat`), environment variables and YAML files
+(:mod:`~lmcache_triton.config_sources`), and the remote_url schemes and their redaction
+(:mod:`~lmcache_triton.remote_url`, which storage/ reads too).
 """
-
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
-from lmcache_triton.config_fields import (
-    FALSE_WORDS, NONE_WORDS, TRUE_WORDS, ConfigError, Field, build_fields, field_reference, option, thaw,
-    unknown_key, unquote,
-)
 from lmcache_triton import lmcache_compat
-from lmcache_triton.lmcache_compat import (
-    LMCACHE_ENV_ONLY, LMCACHE_NAMES, Compat, apply_compat, strip_override_prefix, translate, translate_values,
-    warn_once, why_refused,
-)
+from lmcache_triton.config_fields import ConfigError, Field, build_fields, field_reference, option, thaw, unknown_key
+from lmcache_triton.config_sources import CONFIG_FILE_ENV, env_values, read_yaml_mapping
+from lmcache_triton.lmcache_compat import strip_override_prefix, warn_once, why_refused
 from lmcache_triton.remote_url import named_like_secret, redact_url, remote_url_forms, remote_url_problem
 
-__all__ = [
-    "ConfigError", "LMCacheEngineConfig", "ENV_PREFIX", "CONFIG_FILE_ENV",
-    "connector_overrides", "option", "reference",
-]
+__all__ = ["ConfigError", "LMCacheEngineConfig", "connector_overrides", "reference"]
 
-logger = logging.getLogger("lmcache_triton")
 
-ENV_PREFIX = "LMCACHE_"
-CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
-
-# LMCACHE_* variables that are not config fields but are legitimately set by users of
-# LMCache (or read elsewhere); they are ignored silently.
-_NON_FIELD_ENV = frozenset(
-    {
-        "LMCACHE_CONFIG_FILE",
-        "LMCACHE_LOG_LEVEL",
-        "LMCACHE_USE_EXPERIMENTAL",
-        "LMCACHE_TRACK_USAGE",
-    }
-)
-
+# ---------------------------------------------------------------------------------------
+# The checks and normal forms of single fields (option(check=, normalize=, redact=))
+# ---------------------------------------------------------------------------------------
 def _redact_secret_keys(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return {k: "***" if isinstance(k, str) and named_like_secret(k) else v
             for k, v in mapping.items()}
@@ -118,7 +97,7 @@ class LMCacheEngineConfig:
     is YAML/JSON, and ``none``/``null``/empty mean None for optional fields.
     ``LMCACHE_*`` variables that are not fields are ignored (unknown ones are logged
     once as a warning). :meth:`from_file`, :meth:`from_env` and :meth:`load` also take
-    LMCache's other names (``_LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
+    LMCache's other names (``LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
     ``__init__``, :meth:`from_defaults` and :meth:`from_dict` take field names only.
 
     Validation reports and never rewrites: a value is stored as given, or in a normal form of the
@@ -278,12 +257,12 @@ class LMCacheEngineConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> LMCacheEngineConfig:
         """Defaults plus the keys of the YAML mapping at ``path``."""
-        return cls(**_read_yaml_mapping(path))
+        return cls(**read_yaml_mapping(path, _FIELDS))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LMCacheEngineConfig:
         """Defaults plus ``LMCACHE_<FIELD>`` variables (of ``os.environ`` by default)."""
-        return cls(**_env_values(environ))
+        return cls(**env_values(_FIELDS, environ))
 
     @classmethod
     def load(
@@ -302,8 +281,8 @@ class LMCacheEngineConfig:
         values: dict[str, Any] = {}
         path = config_file if config_file is not None else (env.get(CONFIG_FILE_ENV) or None)
         if path is not None:
-            values.update(_read_yaml_mapping(path))
-        values.update(_env_values(env))
+            values.update(read_yaml_mapping(path, _FIELDS))
+        values.update(env_values(_FIELDS, env))
         if overrides:
             values.update(strip_override_prefix(overrides, _FIELDS))
         return cls(**values)
@@ -387,7 +366,6 @@ LMCacheEngineConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assi
 LMCacheEngineConfig.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
 
 
-
 # The field table, derived from the declaration above.
 _FIELDS: dict[str, Field] = build_fields(LMCacheEngineConfig, why_refused())
 
@@ -402,125 +380,6 @@ def connector_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     them: ``lmcache.<key>`` keys, plus the keys it reads without the prefix (mapped or warned
     about; see :func:`lmcache_triton.lmcache_compat.connector_overrides`)."""
     return lmcache_compat.connector_overrides(extra, _FIELDS)
-
-
-# ---------------------------------------------------------------------------------------
-# Environment variable parsing
-# ---------------------------------------------------------------------------------------
-def _env_name(key: str) -> str:
-    return ENV_PREFIX + key.upper()
-
-
-
-def _parse_env(f: Field, raw: str) -> Any:
-    """Parse the text of ``LMCACHE_<FIELD>`` by the field's type."""
-    var = _env_name(f.name)
-    text = raw.strip()
-
-    def fail(extra: str = "") -> ConfigError:
-        return ConfigError(
-            f"cannot parse environment variable {var}={raw!r}: expected {f.describe()}"
-            + (f" ({extra})" if extra else "")
-        )
-
-    if f.optional and text.lower() in NONE_WORDS:
-        return None
-    kind = f.kind
-    if kind == "str":
-        # Strings are kept as written (blend_special_str is " # # "), quotes removed.
-        return unquote(raw)
-    if kind == "bool":
-        low = text.lower()
-        if low in TRUE_WORDS:
-            return True
-        if low in FALSE_WORDS:
-            return False
-        raise fail("one of true/false/1/0/yes/no/on/off")
-    if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise fail() from None
-    if kind == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise fail() from None
-    if kind in ("list[int]", "list[float]"):
-        conv = int if kind == "list[int]" else float
-        if text.startswith("["):
-            try:
-                items = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise fail(str(e).splitlines()[0]) from None
-            if not isinstance(items, list):
-                raise fail()
-        else:
-            items = [p.strip() for p in text.split(",") if p.strip()]
-        try:
-            return [conv(x) if isinstance(x, str) else x for x in items]
-        except ValueError:
-            raise fail("comma-separated like 1,3 or a list like [1, 3]") from None
-    if kind == "dict":
-        try:
-            value = yaml.safe_load(text)  # YAML is a superset of JSON
-        except yaml.YAMLError as e:
-            raise fail(str(e).splitlines()[0]) from None
-        if not isinstance(value, dict):
-            raise fail('a mapping like {"key": 1}')
-        return value
-    raise AssertionError(kind)  # pragma: no cover
-
-
-def _env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The config values set through ``LMCACHE_<FIELD>`` variables, parsed; LMCache's other
-    variables (``LMCACHE_NAMES``, ``LMCACHE_ENV_ONLY``) mapped, warned about or refused."""
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    compat: list[tuple[str, Compat, str]] = []
-    field_vars = {_env_name(k): k for k in _FIELDS}
-    for var, raw in env.items():
-        if not var.startswith(ENV_PREFIX):
-            continue
-        key = field_vars.get(var)
-        if key is not None:
-            values[key] = _parse_env(_FIELDS[key], raw)
-            continue
-        if var in _NON_FIELD_ENV:
-            continue
-        entry = LMCACHE_NAMES.get(var[len(ENV_PREFIX):].lower()) or LMCACHE_ENV_ONLY.get(var)
-        if entry is not None:
-            compat.append((var, entry, raw))
-        else:
-            match = difflib.get_close_matches(var[len(ENV_PREFIX):].lower(), list(_FIELDS), n=1, cutoff=0.6)
-            hint = f"; did you mean '{_env_name(match[0])}'?" if match else ""
-            warn_once(var, f"ignoring unknown environment variable {var}{hint}")
-    translate_values(values, "environment")
-    for var, entry, raw in compat:  # after the fields, so an alias meets its target's value
-        apply_compat(var, entry, raw, "", values, _FIELDS, parse=_parse_env)
-    return values
-
-
-# ---------------------------------------------------------------------------------------
-# Files and overrides
-# ---------------------------------------------------------------------------------------
-def _read_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    p = os.fspath(path)
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p!r}: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse config file {p!r} as YAML: {e}") from e
-    if data is None:  # empty file
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {p!r} must hold a YAML mapping of config keys, "
-            f"got {type(data).__name__}"
-        )
-    return translate(data, f"config file {p!r}", _FIELDS)
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:

@@ -581,7 +581,7 @@ def test_config_is_what_was_asked(given):
 
 
 # config and the modules it is built from (its rooms): together the lowest floor.
-CONFIG_ROOMS = ("config", "config_fields", "lmcache_compat", "remote_url")
+CONFIG_ROOMS = ("config", "config_fields", "config_sources", "lmcache_compat", "remote_url")
 
 
 def test_config_imports_nothing_of_the_package():
