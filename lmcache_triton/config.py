@@ -62,7 +62,6 @@ def _disk_path(value: str) -> str:
     return path
 
 
-
 # ---------------------------------------------------------------------------------------
 # The config
 # ---------------------------------------------------------------------------------------
@@ -97,7 +96,7 @@ class LMCacheEngineConfig:
     is YAML/JSON, and ``none``/``null``/empty mean None for optional fields.
     ``LMCACHE_*`` variables that are not fields are ignored (unknown ones are logged
     once as a warning). :meth:`from_file`, :meth:`from_env` and :meth:`load` also take
-    LMCache's other names (``LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
+    LMCache's other names (``lmcache_compat.LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
     ``__init__``, :meth:`from_defaults` and :meth:`from_dict` take field names only.
 
     Validation reports and never rewrites: a value is stored as given, or in a normal form of the

@@ -113,6 +113,7 @@ class FrozenDict(dict):
 
 
 def freeze(value: Any) -> Any:
+    """``value`` read-only: mappings become :class:`FrozenDict`, lists tuples, all the way down."""
     if isinstance(value, Mapping):
         return FrozenDict({k: freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
@@ -121,6 +122,7 @@ def freeze(value: Any) -> Any:
 
 
 def thaw(value: Any) -> Any:
+    """``value`` as plain, mutable data (dicts, lists), for YAML and JSON: the opposite of :func:`freeze`."""
     if isinstance(value, Mapping):
         return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -133,6 +135,7 @@ def _is_int(v: Any) -> bool:
 
 
 def is_number(v: Any) -> bool:
+    """An int or a float, not a bool (True is an int to Python, not a number to a config)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -152,8 +155,8 @@ class Field:
     optional: bool
     default: Any
     meta: Mapping[str, Any]
-    # Values another program accepts here and this one refuses -> why (LMCache's: lmcache_compat),
-    # for the error that refuses one.
+    # Values LMCache accepts for this field and this project refuses -> why (lmcache_compat's
+    # table), added to the error that refuses one.
     why_refused: Mapping[Any, str] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:

@@ -5,8 +5,8 @@
 
 Its own module because reading text is a concern apart from declaring the fields
 (:mod:`lmcache_triton.config`) and from LMCache's vocabulary: every function takes the field table
-it reads into. Standard library and PyYAML only; nothing happens at import (the environment is
-read when a config is loaded).
+it reads into. Standard library, PyYAML and the config modules below it only; nothing happens at
+import (the environment is read when a config is loaded).
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def env_name(key: str) -> str:
     """The environment variable of the field ``key``: ``LMCACHE_<KEY>``."""
     return ENV_PREFIX + key.upper()
 
+
 def parse_env(f: Field, raw: str) -> Any:
-    """Parse the text of ``LMCACHE_<FIELD>`` by the field's type."""
+    """Parse the text of ``LMCACHE_<FIELD>`` by the field's type (the field's checks come later,
+    when the config is built)."""
     var = env_name(f.name)
     text = raw.strip()
 
@@ -106,8 +108,8 @@ def parse_env(f: Field, raw: str) -> Any:
 
 def env_values(fields: Mapping[str, Field], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The values of ``fields`` set through ``LMCACHE_<FIELD>`` variables (of ``os.environ`` by
-    default), parsed; LMCache's other
-    variables (``LMCACHE_NAMES``, ``LMCACHE_ENV_ONLY``) mapped, warned about or refused."""
+    default), parsed; LMCache's other variables (``LMCACHE_NAMES``, ``LMCACHE_ENV_ONLY``) mapped,
+    warned about or refused; unknown ones warned about once."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     compat: list[tuple[str, Compat, str]] = []
@@ -134,9 +136,6 @@ def env_values(fields: Mapping[str, Field], environ: Mapping[str, str] | None = 
     return values
 
 
-# ---------------------------------------------------------------------------------------
-# Files and overrides
-# ---------------------------------------------------------------------------------------
 def read_yaml_mapping(path: str | os.PathLike, fields: Mapping[str, Field]) -> dict[str, Any]:
     """The values of ``fields`` in the YAML mapping at ``path``; LMCache's other names applied."""
     p = os.fspath(path)

@@ -7,7 +7,9 @@ overrides, and the keys LMCache's vLLM connector reads from ``kv_connector_extra
 Its own module because it is a second vocabulary, LMCache's, beside the config's own declaration
 (:mod:`lmcache_triton.config`): it changes when LMCache does, not when a field here does. Every
 function takes the field table it translates into. Each name is warned about once per process
-(:func:`warn_once`, :func:`reset_warnings`). Standard library only; nothing happens at import.
+(:func:`warn_once`, :func:`reset_warnings`; the warn-once memory is here because most of the
+config's warnings are about LMCache's names, and the other config modules share it). Standard
+library and the config modules below it only; nothing happens at import.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_triton.config_fields import (
-    TRUE_WORDS, FALSE_WORDS, NONE_WORDS, ConfigError, Field, is_number, suggest, unknown_key, unquote,
+    FALSE_WORDS, NONE_WORDS, TRUE_WORDS, ConfigError, Field, is_number, suggest, unknown_key, unquote,
 )
 from lmcache_triton.remote_url import redact_url
 
@@ -32,8 +34,8 @@ logger = logging.getLogger("lmcache_triton")
 
 OVERRIDE_PREFIX = "lmcache."
 
-# Names already warned about in this process (warn once each): unknown LMCACHE_* variables and
-# the LMCache names of LMCACHE_NAMES / CONNECTOR_KEYS that are mapped or ignored.
+# Names already warned about in this process (warn once each): the LMCache names of LMCACHE_NAMES /
+# CONNECTOR_KEYS that are mapped or ignored, unknown LMCACHE_* variables, the config's own notices.
 _warned_env: set[str] = set()
 
 
@@ -56,6 +58,8 @@ _DROP = object()  # from an alias's convert: this value has no counterpart, igno
 
 @dataclass(frozen=True)
 class Compat:
+    """What becomes of one LMCache name (see the table's comment above)."""
+
     action: str  # "alias" | "ignore" | "reject"
     reason: str
     target: str | None = None  # alias only: the field it sets
