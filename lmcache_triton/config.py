@@ -1,9 +1,10 @@
-"""Engine configuration: :class:`LMCacheEngineConfig`.
+"""Engine configuration: the declaration of :class:`LMCacheEngineConfig`.
 
 The field names, meanings and (where LMCache has them) defaults follow LMCache's
 ``lmcache/v1/config.py`` so that an LMCache YAML file or set of ``LMCACHE_*`` variables
 works here unchanged for the options this package implements. LMCache's other names are
-mapped, ignored with a warning that says why, or refused: see ``_LMCACHE_NAMES``.
+mapped, ignored with a warning that says why, or refused: see
+:data:`lmcache_triton.lmcache_compat.LMCACHE_NAMES`.
 
 Each field is declared once, in the class body: its annotation is its type, and :func:`option`
 holds its default, its doc and the values it accepts. Coercion, the checks, the parsing of
@@ -11,173 +12,35 @@ holds its default, its doc and the values it accepts. Coercion, the checks, the 
 all derived from that declaration (``_FIELDS``). A config is frozen once built: change one with
 :meth:`LMCacheEngineConfig.replace`, which returns a new, validated config.
 
-This module imports only the standard library and PyYAML (no other module of this package: it is
-the lowest floor), and does nothing at import. The remote_url schemes (``REMOTE_SCHEMES``) and
-:func:`redact_url` live here too, and storage/ uses them.
+This module holds the declaration and the constructors; the rest lives in rooms of one concern
+each, all on the lowest floor with this one (the standard library and PyYAML only, nothing done
+at import): the field framework (:mod:`~lmcache_triton.config_fields`), LMCache's names and the
+connector's keys (:mod:`~lmcache_triton.lmcache_compat`), environment variables and YAML files
+(:mod:`~lmcache_triton.config_sources`), and the remote_url schemes and their redaction
+(:mod:`~lmcache_triton.remote_url`, which storage/ reads too).
 """
-
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import logging
-import math
 import os
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
-import yaml
+from lmcache_triton import lmcache_compat
+from lmcache_triton.config_fields import ConfigError, Field, build_fields, field_reference, option, thaw, unknown_key
+from lmcache_triton.config_sources import CONFIG_FILE_ENV, env_values, read_yaml_mapping
+from lmcache_triton.lmcache_compat import strip_override_prefix, warn_once, why_refused
+from lmcache_triton.remote_url import named_like_secret, redact_url, remote_url_forms, remote_url_problem
 
-__all__ = [
-    "CLUSTER_PROTOCOLS", "ConfigError", "LMCacheEngineConfig", "cluster_nodes", "ENV_PREFIX", "CONFIG_FILE_ENV", "REMOTE_SCHEMES",
-    "connector_overrides", "option", "redact_url", "reference", "remote_url_forms", "reset_warnings",
-]
-
-logger = logging.getLogger("lmcache_triton")
-
-ENV_PREFIX = "LMCACHE_"
-CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
-OVERRIDE_PREFIX = "lmcache."
-
-# LMCACHE_* variables that are not config fields but are legitimately set by users of
-# LMCache (or read elsewhere); they are ignored silently.
-_NON_FIELD_ENV = frozenset(
-    {
-        "LMCACHE_CONFIG_FILE",
-        "LMCACHE_LOG_LEVEL",
-        "LMCACHE_USE_EXPERIMENTAL",
-        "LMCACHE_TRACK_USAGE",
-    }
-)
-# Names already warned about in this process (warn once each): unknown LMCACHE_* variables and
-# the LMCache names of _LMCACHE_NAMES / _CONNECTOR_KEYS that are mapped or ignored.
-_warned_env: set[str] = set()
-
-# The remote_url schemes, the one table: scheme -> the protocol its backend speaks. "lm" is the cache
-# server here; the others are served by storage/redis_backend.py, which hands redis-py the
-# protocol's scheme (valkey:// is redis://, valkeys:// is rediss://, TLS).
-REMOTE_SCHEMES: Mapping[str, str] = types.MappingProxyType(
-    {"lm": "lm", "redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
-     # a Redis Cluster / Valkey cluster given by one or more seed nodes (redis-py's cluster client)
-     "redis-cluster": "redis-cluster", "rediss-cluster": "rediss-cluster",
-     "valkey-cluster": "redis-cluster", "valkeys-cluster": "rediss-cluster"}
-)
-CLUSTER_PROTOCOLS = ("redis-cluster", "rediss-cluster")
-# Substrings of names (extra_config keys, URL query parameters) whose values are redacted.
-_SECRET_WORDS = ("pass", "secret", "token", "credential", "auth")
+__all__ = ["ConfigError", "LMCacheEngineConfig", "connector_overrides", "reference"]
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value, key, file or environment variable."""
-
-
-def remote_url_forms() -> str:
-    """The accepted remote_url forms, for messages and docs."""
-    def form(scheme: str, protocol: str) -> str:
-        if protocol == "lm":
-            return f"{scheme}://host:port"
-        if protocol in CLUSTER_PROTOCOLS:
-            return f"{scheme}://host:port[,host:port...]"
-        return f"{scheme}://host:port[/db]"
-
-    return ", ".join(form(s, p) for s, p in REMOTE_SCHEMES.items())
-
-
-def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
-    """(seed nodes, user name, password) of a `redis-cluster://[user:password@]host:port[,host:port...]`
-    URL; ValueError naming the part that is wrong (never showing the password)."""
-    _, _, rest = url.partition("://")
-    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
-    userinfo, at, hosts = rest[:end].rpartition("@")
-    user = password = None
-    if at:
-        name, colon, secret = userinfo.partition(":")
-        user, password = (unquote(name) or None), (unquote(secret) if colon else None)
-        if not colon:  # redis://TOKEN@host: the user info is the password (as redis-py reads it)
-            user, password = None, unquote(name)
-    nodes = []
-    for item in hosts.split(","):
-        try:
-            parts = urlsplit(f"//{item}")
-            port = parts.port
-        except ValueError as e:
-            raise ValueError(f"cluster node {item!r}: {e}") from None
-        if not parts.hostname or port is None:
-            raise ValueError(f"cluster node {item!r} is not host:port")
-        nodes.append((parts.hostname, port))
-    return nodes, user, password
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit for logs, errors and stats: the password of its user info becomes ``***`` (the
-    user name stays); user info without a password (``scheme://TOKEN@host``, a token for some
-    services) becomes ``***`` whole; so do the values of query parameters named like secrets.
-    Plain string work, so a URL that ``urlsplit`` refuses is redacted all the same."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
-    netloc, tail = rest[:end], rest[end:]
-    userinfo, at, host = netloc.rpartition("@")
-    if at:
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{host}" if colon else f"***@{host}"
-    path, q, query = tail.partition("?")
-    if q:
-        query, hash_, fragment = query.partition("#")
-        params = []
-        for param in query.split("&"):
-            name, eq, _ = param.partition("=")
-            params.append(f"{name}=***" if eq and any(w in name.lower() for w in _SECRET_WORDS) else param)
-        tail = f"{path}?{'&'.join(params)}{hash_}{fragment}"
-    return f"{scheme}{sep}{netloc}{tail}"
-
-
-def _check_remote_url(url: str) -> None:
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"invalid value for 'remote_url': {why}; accepted forms: {remote_url_forms()}, "
-                           f"got {redact_url(url)!r}")
-
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if REMOTE_SCHEMES.get(scheme) in CLUSTER_PROTOCOLS:
-        try:
-            cluster_nodes(url)
-        except ValueError as e:
-            raise bad(str(e)) from None
-        rest = url.partition("://")[2]
-        tail = rest[min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest)):]
-        if tail not in ("", "/"):
-            raise bad(f"{scheme}:// URLs take no path, query or fragment (a cluster has database 0 only)")
-        return
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise bad(str(e)) from None
-    if parts.scheme not in REMOTE_SCHEMES:
-        raise bad(f"unsupported scheme {parts.scheme!r}" if parts.scheme else "no scheme")
-    if not parts.hostname:
-        raise bad("missing host")
-    if REMOTE_SCHEMES[parts.scheme] == "lm":
-        if port is None:
-            raise bad("missing port")
-        if parts.path not in ("", "/"):
-            raise bad(f"{parts.scheme}:// URLs take no path")
-    else:
-        db = parts.path.strip("/")
-        if db and not db.isdigit():
-            raise bad(f"the database must be a number, got {db!r}")
-    if parts.query or parts.fragment:
-        raise bad("no query or fragment allowed")
-
-
+# ---------------------------------------------------------------------------------------
+# The checks and normal forms of single fields (option(check=, normalize=, redact=))
+# ---------------------------------------------------------------------------------------
 def _redact_secret_keys(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: "***" if isinstance(k, str) and any(w in k.lower() for w in _SECRET_WORDS) else v
+    return {k: "***" if isinstance(k, str) and named_like_secret(k) else v
             for k, v in mapping.items()}
 
 
@@ -197,51 +60,6 @@ def _disk_path(value: str) -> str:
         raise ConfigError(f"invalid value for 'local_disk': must be a non-empty directory path "
                           f"('/path' or 'file:///path') or None, got {value!r}")
     return path
-
-
-# ---------------------------------------------------------------------------------------
-# Declaring a field: option()
-# ---------------------------------------------------------------------------------------
-def option(default: Any, doc: str, *, choices: tuple[Any, ...] = (), ge: float | None = None,
-           gt: float | None = None, le: float | None = None, nonempty: bool = False,
-           check: Callable[[Any], str | None] | None = None, normalize: Callable[[Any], Any] | None = None,
-           accepted: str = "", secret: bool = False, redact: Callable[[Any], Any] | None = None,
-           ours: bool = False) -> Any:
-    """A field of :class:`LMCacheEngineConfig`: its default, its doc, and the values it accepts.
-
-    The type is the field's annotation (``int``, ``float``, ``bool``, ``str``, ``tuple[int, ...]``,
-    ``tuple[float, ...]``, ``dict[str, Any]``; ``| None`` for optional ones). ``choices``: the
-    accepted values; ``ge``/``gt``/``le``: bounds (of each element for a tuple); ``nonempty``: a
-    tuple needs one element or more; ``check(value)``: the reason a value is refused, or None;
-    ``normalize(value)``: the stored form of a value of the same meaning (``file:///x`` -> ``/x``);
-    ``accepted``: the accepted values in words, for the reference, where ``check`` says them;
-    ``secret``: shown as ``***`` in repr(), errors and ``to_dict(redact=True)``; ``redact(value)``: the
-    value as those show it, where only part of it is secret; ``ours``: not an LMCache field.
-    """
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("a field's default must be immutable: a tuple, or None for a mapping")
-    meta = dict(doc=doc, choices=choices, ge=ge, gt=gt, le=le, nonempty=nonempty, check=check,
-                normalize=normalize, accepted=accepted, secret=secret, redact=redact, ours=ours)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def _suggest(name: str, candidates) -> str:
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean '{match[0]}'?" if match else ""
-
-
-def _unknown_key(key: Any, source: str = "", bare: str | None = None) -> ConfigError:
-    where = f" in {source}" if source else ""
-    hint = _suggest(str(key) if bare is None else bare, _FIELDS)
-    return ConfigError(
-        f"unknown config key {key!r}{where}{hint} "
-        f"(valid keys: {', '.join(_FIELDS)})"
-    )
-
-
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
-_NONE = frozenset({"none", "null", ""})
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,7 +96,7 @@ class LMCacheEngineConfig:
     is YAML/JSON, and ``none``/``null``/empty mean None for optional fields.
     ``LMCACHE_*`` variables that are not fields are ignored (unknown ones are logged
     once as a warning). :meth:`from_file`, :meth:`from_env` and :meth:`load` also take
-    LMCache's other names (``_LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
+    LMCache's other names (``lmcache_compat.LMCACHE_NAMES``: mapped, or ignored with a warning, or refused);
     ``__init__``, :meth:`from_defaults` and :meth:`from_dict` take field names only.
 
     Validation reports and never rewrites: a value is stored as given, or in a normal form of the
@@ -297,7 +115,7 @@ class LMCacheEngineConfig:
     remote_url: str | None = option(
         None, "The remote tier: the cache server here (lm://), Redis / Valkey, or a Redis Cluster / "
         "Valkey cluster (several seed nodes). A password in it is "
-        "redacted wherever the URL is shown.", check=_check_remote_url, accepted=remote_url_forms(),
+        "redacted wherever the URL is shown.", check=remote_url_problem, accepted=remote_url_forms(),
         redact=redact_url)
     remote_serde: str = option("naive", "How chunks are encoded for the remote tier (lz4: lossless).",
                                choices=("naive", "lz4"))
@@ -377,7 +195,7 @@ class LMCacheEngineConfig:
         object.__setattr__(self, "_unset", unset)
         self.validate()
         if unset and self.enable_blending:
-            _warn_once("save_unfull_chunk=auto", (
+            warn_once("save_unfull_chunk=auto", (
                 "setting save_unfull_chunk=True because enable_blending=True (CacheBlend stores each "
                 "segment's partial last chunk; LMCache does the same); set save_unfull_chunk: true "
                 "to silence this"))
@@ -438,12 +256,12 @@ class LMCacheEngineConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> LMCacheEngineConfig:
         """Defaults plus the keys of the YAML mapping at ``path``."""
-        return cls(**_read_yaml_mapping(path))
+        return cls(**read_yaml_mapping(path, _FIELDS))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LMCacheEngineConfig:
         """Defaults plus ``LMCACHE_<FIELD>`` variables (of ``os.environ`` by default)."""
-        return cls(**_env_values(environ))
+        return cls(**env_values(_FIELDS, environ))
 
     @classmethod
     def load(
@@ -462,10 +280,10 @@ class LMCacheEngineConfig:
         values: dict[str, Any] = {}
         path = config_file if config_file is not None else (env.get(CONFIG_FILE_ENV) or None)
         if path is not None:
-            values.update(_read_yaml_mapping(path))
-        values.update(_env_values(env))
+            values.update(read_yaml_mapping(path, _FIELDS))
+        values.update(env_values(_FIELDS, env))
         if overrides:
-            values.update(_strip_override_prefix(overrides))
+            values.update(strip_override_prefix(overrides, _FIELDS))
         return cls(**values)
 
     def replace(self, **changes: Any) -> LMCacheEngineConfig:
@@ -480,7 +298,7 @@ class LMCacheEngineConfig:
     def to_dict(self, redact: bool = False) -> dict[str, Any]:
         """All fields as a plain dict of plain values (lists, dicts; copies); ``redact`` hides
         secrets: the secret fields, remote_url's password, extra_config keys named like secrets."""
-        d = {name: _thaw(getattr(self, name)) for name in _FIELDS}
+        d = {name: thaw(getattr(self, name)) for name in _FIELDS}
         if redact:
             for name, f in _FIELDS.items():
                 d[name] = f.shown(d[name])
@@ -547,742 +365,23 @@ LMCacheEngineConfig.__setattr__ = _refuse_assignment  # type: ignore[method-assi
 LMCacheEngineConfig.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
 
 
-# ---------------------------------------------------------------------------------------
-# The field table, derived from the declarations above
-# ---------------------------------------------------------------------------------------
-class _FrozenDict(dict):
-    """A dict that refuses changes (``extra_config`` as stored); hashable when its values are."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("extra_config is read-only (the config is frozen): "
-                        "use config.replace(extra_config={...})")
-
-    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
-    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(frozenset(self.items()))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_FrozenDict, (dict(self),))
-
-    def __copy__(self) -> _FrozenDict:
-        return self
-
-    def __deepcopy__(self, memo: Any) -> _FrozenDict:
-        return self
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return _FrozenDict({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# The scalar types a field (or a list field's elements) may have: kind -> test of a value.
-_IS: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
-}
-
-
-@dataclass(frozen=True, eq=False)
-class _Field:
-    """One field, as its declaration says: name, type (``kind``: int, float, bool, str, list[int],
-    list[float] or dict, as written in YAML), default, doc and accepted values."""
-
-    name: str
-    kind: str
-    optional: bool
-    default: Any
-    meta: Mapping[str, Any]
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    def describe(self) -> str:
-        return f"{self.kind} or None" if self.optional else self.kind
-
-    def shown(self, value: Any) -> Any:
-        """``value`` as errors and ``to_dict(redact=True)`` may show it."""
-        if value is None:
-            return None
-        if self.meta["secret"]:
-            return "***"
-        redact = self.meta["redact"]
-        try:
-            return value if redact is None else redact(value)
-        except (TypeError, AttributeError):  # a value of the wrong type, about to be refused
-            return value
-
-    def _type_error(self, value: Any) -> ConfigError:
-        return ConfigError(f"invalid value for '{self.name}': expected {self.describe()}, "
-                           f"got {type(value).__name__} {self.shown(value)!r}")
-
-    def coerce(self, value: Any) -> Any:
-        """``value`` checked against the type and stored in its normal form: int -> float for a
-        float, a list (or a lone scalar, as LMCache accepts) -> a tuple, a mapping -> a read-only
-        dict, plus the field's own ``normalize``."""
-        if value is None:
-            if self.optional:
-                return None
-            raise self._type_error(value)
-        kind, out = self.kind, _MISSING
-        if kind == "dict":
-            if isinstance(value, Mapping):
-                if not all(isinstance(k, str) for k in value):
-                    raise ConfigError(f"invalid value for '{self.name}': keys must be strings, "
-                                      f"got {self.shown(value)!r}")
-                out = _freeze(value)
-        elif kind.startswith("list["):
-            elem = kind[len("list["):-1]
-            items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-            if all(_IS[elem](x) for x in items):
-                out = tuple(float(x) for x in items) if elem == "float" else items
-        elif _IS[kind](value):
-            out = float(value) if kind == "float" else value
-            if kind == "float" and not math.isfinite(out):
-                raise ConfigError(f"invalid value for '{self.name}': must be a finite number, got {value!r}")
-        if out is _MISSING:
-            raise self._type_error(value)
-        normalize = self.meta["normalize"]
-        return normalize(out) if normalize is not None else out
-
-    def check(self, value: Any) -> None:
-        """Refuse a (coerced) value outside the accepted ones."""
-        if value is None:
-            return
-        m, name = self.meta, self.name
-        items = value if self.kind.startswith("list") else (value,)
-        each = "each value " if self.kind.startswith("list") else ""
-        if m["nonempty"] and not items:
-            raise ConfigError(f"invalid value for '{name}': must be a non-empty list")
-        if m["choices"] and value not in m["choices"]:
-            hint = _LMCACHE_VALUES.get(name, {}).get(value, (None, ""))[1]
-            raise ConfigError(f"invalid value for '{name}': must be one of {', '.join(map(repr, m['choices']))}, "
-                              f"got {value!r}" + (f" ({hint})" if hint else ""))
-        ge, gt, le = m["ge"], m["gt"], m["le"]
-        for x in items:
-            if ge is not None and le is not None and not ge <= x <= le:
-                why = f"must be in [{ge}, {le}]"
-            elif ge is not None and x < ge:
-                why = f"must be >= {ge}"
-            elif gt is not None and x <= gt:
-                why = f"must be > {gt}"
-            else:
-                continue
-            raise ConfigError(f"invalid value for '{name}': {each}{why}{' or None' if self.optional else ''}, "
-                              f"got {value!r}")
-        reason = m["check"](value) if m["check"] is not None else None
-        if reason:
-            raise ConfigError(f"invalid value for '{name}': {reason}, got {self.shown(value)!r}")
-
-
-_MISSING = object()
-
-
-def _build_fields() -> dict[str, _Field]:
-    hints = typing.get_type_hints(LMCacheEngineConfig)
-    out = {}
-    for f in dataclasses.fields(LMCacheEngineConfig):
-        tp, optional = hints[f.name], False
-        if typing.get_origin(tp) in (types.UnionType, typing.Union):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            optional, (tp,) = True, args
-        origin = typing.get_origin(tp)
-        if origin is tuple:
-            kind = f"list[{typing.get_args(tp)[0].__name__}]"
-        else:
-            kind = "dict" if origin is dict else tp.__name__
-        assert kind in (*_IS, "list[int]", "list[float]", "dict"), (f.name, kind)
-        out[f.name] = _Field(f.name, kind, optional, f.default, f.metadata)
-    return out
-
-
-_FIELDS: dict[str, _Field] = _build_fields()
+# The field table, derived from the declaration above.
+_FIELDS: dict[str, Field] = build_fields(LMCacheEngineConfig, why_refused())
 
 
 def reference() -> str:
     """The fields as a Markdown table (name, type, default, accepted values, doc): the README's."""
-    rows = ["| Field | Type | Default | Accepts | Meaning |", "|---|---|---|---|---|"]
-    for f in _FIELDS.values():
-        m = f.meta
-        accepts = [m["accepted"]] if m["accepted"] else []
-        if m["choices"]:
-            accepts.append(" \\| ".join(map(str, m["choices"])))
-        if m["ge"] is not None and m["le"] is not None:
-            accepts.append(f"{m['ge']}..{m['le']}")
-        elif m["ge"] is not None:
-            accepts.append(f">= {m['ge']}")
-        elif m["gt"] is not None:
-            accepts.append(f"> {m['gt']}")
-        if m["nonempty"]:
-            accepts.append("non-empty")
-        default = f"`{json.dumps(_thaw(f.default))}`"
-        doc = m["doc"] + (" *Not in LMCache.*" if m["ours"] else "") + (" Secret: redacted." if m["secret"] else "")
-        rows.append(f"| `{f.name}` | {f.describe()} | {default} | {', '.join(accepts)} | {doc} |")
-    return "\n".join(rows) + "\n"
-
-
-# ---------------------------------------------------------------------------------------
-# LMCache's other names: one table says what becomes of every configuration name LMCache
-# 0.5.x accepts (lmcache/v1/config.py: _CONFIG_DEFINITIONS and _CONFIG_ALIASES, plus the
-# older names its published examples still use) that is not a field above.
-#
-#   alias   the value sets `target` (converted where the unit differs), with a warning
-#   ignore  a feature this project does not have: a warning says why, the value is dropped
-#   reject  ConfigError: dropping it would silently run something else than asked for
-#
-# A name whose value equals LMCache's default (`default`) changes nothing and passes without a
-# word, so a full LMCache config dump does not drown the warnings that matter. Names in neither
-# _FIELDS nor this table stay errors (files, overrides) or warnings (LMCACHE_* variables).
-# ---------------------------------------------------------------------------------------
-_ANY = object()  # no default: any value is acted on
-_DROP = object()  # from an alias's convert: this value has no counterpart, ignore it (with the note)
-
-
-@dataclass(frozen=True)
-class _Compat:
-    action: str  # "alias" | "ignore" | "reject"
-    reason: str
-    target: str | None = None  # alias only: the field it sets
-    default: Any = _ANY  # LMCache's default: a value equal to it is accepted silently
-    # alias only: (name, value) -> (value for target, or _DROP; a note for the warning)
-    convert: Any = None
-
-
-_PD_CHANNEL = "the PD transport here is pyzmq over TCP (NIXL is not offered)"
-_PD_DEVICE = "the PD receive buffer here is the receiver's CPU tier (pd_buffer_size sets its size)"
-_PD_ALLOC = ("a PD transfer here is one message per chunk to pd_peer_init_port (the receiver allocates as it "
-             "receives): there is no separate allocation port")
-_PD_PROXY = ("the PD sender here finishes each transfer before the prefill's reply, so the proxy needs no "
-             "notification")
-_PD_KNOB = "this LMCache PD tuning knob has no counterpart here"
-_PD_OLD = "LMCache's older NIXL disaggregation names: use enable_pd, pd_role, pd_peer_host, pd_peer_init_port"
-_P2P = "peer-to-peer sharing between instances is not implemented here (share a remote_url store instead)"
-_CONTROLLER = "LMCache's cache controller and its workers are not implemented here"
-_PLUGINS = "LMCache plugins and extra storage backends do not load here"
-_GDS = "GPU Direct Storage and other LMCache-only tiers are not implemented here (use local_disk)"
-_ALLOC = "the CPU tier here is one pinned pool of max_local_cpu_size, allocated at start"
-_STATS = "LMCache's chunk statistics, KV events and API servers are not implemented here (see prometheus_port)"
-_HIDDEN = "hidden-state caching (vLLM-Omni) is not implemented here"
-_SPARSE = "this LMCache tuning knob has no counterpart here"
-
-
-def _ratio_from_lmcache(name: str, value: Any) -> tuple[Any, str]:
-    """LMCache's old `blend_recompute_ratio` (one float, default 0.15: a fraction). Its RAG
-    benchmark example writes `blend_recompute_ratio: 15  # default`, a percentage: values above 1
-    (up to 100) are read as percentages."""
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not items or not all(_is_number(x) for x in items) or any(not 0 <= x <= 100 for x in items):
-        raise ConfigError(
-            f"invalid value for '{name}' (LMCache's old name of blend_recompute_ratios): expected "
-            f"a fraction in [0, 1] or a percentage in (1, 100], got {value!r}"
-        )
-    if any(x > 1 for x in items):
-        return [x / 100 for x in items], f" ({value!r} read as a percentage; LMCache's default 0.15 is a fraction)"
-    return [float(x) for x in items], ""
-
-
-def _same(name: str, value: Any) -> tuple[Any, str]:
-    return value, ""
-
-
-def _discard_partial(name: str, value: Any) -> tuple[Any, str]:
-    """vLLM connector key `discard_partial_chunks`: LMCache discards partial chunks when it is
-    true or save_unfull_chunk is false, so true means save_unfull_chunk=False (false: no effect)."""
-    if isinstance(value, str) and value.strip().lower() in _TRUE:
-        value = True
-    if value is not True:
-        raise ConfigError(
-            f"invalid value for kv_connector_extra_config key '{name}': expected bool, got {value!r}"
-        )
-    return False, ""
-
-
-def _local_device(name: str, value: Any) -> tuple[Any, str]:
-    """LMCache v0's `local_device`: "cpu" is the CPU tier; "cuda" (v0's default) a GPU-memory
-    cache, which does not exist here; "file://dir/" a disk cache that needs a size here."""
-    text = str(value).strip() if value is not None else ""
-    if text == "cpu":
-        return True, " (LMCache v0's CPU device is the local_cpu tier)"
-    if text.startswith("file://") or text.startswith("/"):
-        raise ConfigError(
-            f"cannot honour {name}={value!r} (LMCache v0's disk device): write it as "
-            f"local_disk: {value!r} with max_local_disk_size: <GB>"
-        )
-    return _DROP, " (there is no GPU-memory tier here; chunks live in the CPU tier)"
-
-
-def _ignore(reason: str, default: Any = None) -> _Compat:
-    return _Compat("ignore", reason, default=default)
-
-
-_LMCACHE_NAMES: dict[str, _Compat] = {
-    # Old or LMCache-only names of fields here.
-    "blend_recompute_ratio": _Compat("alias", "LMCache's old name of blend_recompute_ratios",
-                                     target="blend_recompute_ratios", convert=_ratio_from_lmcache),
-    "pin_timeout_sec": _Compat("alias", "LMCache's forced-unpin timeout is reservation_lease_secs here",
-                               target="reservation_lease_secs", convert=_same),
-    # LMCache v0's config (lmcache/config.py), still in some of its published examples.
-    "local_device": _Compat("alias", "LMCache v0's name", target="local_cpu", convert=_local_device),
-    "max_local_cache_size": _Compat("alias", "LMCache v0's name of the CPU tier's size in GB",
-                                    target="max_local_cpu_size", convert=_same),
-    "blend_separator": _Compat("alias", "LMCache v0's name of blend_special_str",
-                               target="blend_special_str", convert=_same),
-    "pipelined_backend": _ignore("LMCache v0's pipelined retrieve; see use_layerwise", False),
-    "blend_add_special_in_precomp": _ignore("LMCache v0's CacheBlend option; not implemented here", False),
-    # Honoured by behaviour: the tiers here evict least recently used chunks, as LMCache's default.
-    "cache_policy": _ignore("only LRU eviction is implemented here", "LRU"),
-    # Not safe to drop: the configuration asked for would never be applied.
-    "remote_config_url": _Compat("reject", "fetching configuration from a remote service is not "
-                                 "supported here; put its settings in the config file", default=None),
-    "app_id": _ignore("remote configuration (remote_config_url) is not supported here"),
-    # Prefill/decode disaggregation: the names here that differ (enable_pd, pd_role, pd_peer_host,
-    # pd_peer_init_port and pd_buffer_size are fields), and the older nixl_* / xpyd names.
-    "transfer_channel": _ignore(_PD_CHANNEL, "zmq"),
-    "pd_buffer_device": _ignore(_PD_DEVICE, "cpu"),
-    "pd_peer_alloc_port": _ignore(_PD_ALLOC, None),
-    "pd_proxy_host": _ignore(_PD_PROXY, None),
-    "pd_proxy_port": _ignore(_PD_PROXY, None),
-    "pd_skip_proxy_notification": _ignore(_PD_PROXY, False),
-    **{k: _ignore(_PD_KNOB, d) for k, d in {
-        "pd_peer_query_port": None, "pd_allocation_timeout_sec": float("inf"), "pd_shutdown_timeout_sec": 5.0,
-        "pd_condition_poll_interval_sec": 0.005, "pd_max_prefill_len": 0, "pd_backend_mode": "async",
-        "pd_bidirectional": False,
-    }.items()},
-    **{k: _ignore(_PD_OLD, d) for k, d in {
-        "nixl_backends": None, "nixl_buffer_size": None, "nixl_buffer_device": None,
-        "enable_xpyd": False, "enable_nixl": False, "nixl_role": None, "nixl_receiver_host": None,
-        "nixl_receiver_port": None, "nixl_peer_port": None, "nixl_enable_gc": False,
-        "nixl_peer_host": None, "nixl_peer_init_port": None, "nixl_peer_alloc_port": None,
-        "nixl_proxy_host": None, "nixl_proxy_port": None,
-    }.items()},
-    **{k: _ignore(_P2P, d) for k, d in {
-        "enable_p2p": False, "p2p_host": None, "p2p_init_ports": None, "p2p_lookup_ports": None,
-    }.items()},
-    **{k: _ignore(_CONTROLLER, d) for k, d in {
-        "enable_controller": False, "lmcache_instance_id": None, "controller_pull_url": None,
-        "controller_reply_url": None, "controller_url": None, "lmcache_worker_ports": None,
-        "lmcache_worker_port": None, "lmcache_worker_ids": None,
-        "lmcache_worker_heartbeat_delay_time": 10, "lmcache_worker_heartbeat_time": None,
-    }.items()},
-    **{k: _ignore(_PLUGINS, None) for k in (
-        "runtime_plugin_locations", "plugin_locations", "storage_plugins", "external_backends",
-        "remote_storage_plugins", "external_lookup_client", "script_allowed_imports",
-        "audit_actual_remote_url",
-    )},
-    "mp_host": _ignore("LMCache's multi-process server (for SGLang) is not implemented here", None),
-    "mp_port": _ignore("LMCache's multi-process server (for SGLang) is not implemented here", 5555),
-    **{k: _ignore(_GDS, d) for k, d in {
-        "gds_path": None, "gds_path_sharding": "by_gpu", "gds_buffer_size": None, "use_gds": True,
-        "gds_backend": "cufile", "maru_path": None, "maru_pool_size": 4.0,
-        "local_disk_path_sharding": "by_gpu", "retrieve_locations": None, "store_location": None,
-    }.items()},
-    **{k: _ignore(_ALLOC, d) for k, d in {
-        "local_cpu_use_hugepages": False, "reserve_local_cpu_size": 0.0, "numa_mode": None,
-        "enable_lazy_memory_allocator": False, "lazy_memory_initial_ratio": 0.2,
-        "lazy_memory_expand_trigger_ratio": 0.5, "lazy_memory_step_ratio": 0.1,
-        "lazy_memory_safe_size": 0.0,
-    }.items()},
-    "pin_check_interval_sec": _ignore("reservations here expire lazily after reservation_lease_secs, with no monitor thread", 30),
-    "py_enable_gc": _ignore("this LMCache tuning knob has no counterpart here", True),
-    **{k: _ignore(_STATS, d) for k, d in {
-        "internal_api_server_enabled": False, "internal_api_server_host": "0.0.0.0",
-        "internal_api_server_port_start": 6999, "internal_api_server_include_index_list": None,
-        "internal_api_server_socket_path_prefix": None, "enable_chunk_statistics": False,
-        "chunk_statistics_auto_start_statistics": False,
-        "chunk_statistics_auto_exit_timeout_hours": 0.0,
-        "chunk_statistics_auto_exit_target_unique_chunks": 0,
-        "chunk_statistics_strategy": "memory_bloom_filter", "enable_kv_events": False,
-    }.items()},
-    **{k: _ignore(_HIDDEN, d) for k, d in {
-        "enable_hidden_state_cache": False, "max_hidden_state_cpu_size": 2.0,
-        "hidden_state_layers": None, "hidden_states_retrieve_mode": "prefix_strict",
-    }.items()},
-    **{k: _ignore(_SPARSE, d) for k, d in {
-        "min_retrieve_tokens": 0, "priority_limit": None, "hit_miss_ratio": None,
-        "lookup_server_worker_ids": None, "enable_scheduler_bypass_lookup": False,
-        "use_gpu_connector_v3": False, "cost_aware_half_life_seconds": 60.0,
-        "cost_aware_ewma_alpha": 0.2,
-    }.items()},
-    "pre_caching_hash_algorithm": _ignore(
-        "chunk keys here are keyed digests of their own (see namespace_secret)", "builtin"),
-    "blend_thresholds": _ignore(
-        "CacheBlend here selects tokens by blend_recompute_ratios only", None),
-}
-
-# Values of fields that LMCache accepts and this project does not: field -> value -> (used
-# instead, why). Applied to files, LMCACHE_* variables and kv_connector_extra_config, with a warning.
-_LMCACHE_VALUES: dict[str, dict[Any, tuple[Any, str]]] = {
-    "remote_serde": {
-        None: ("naive", "LMCache allows null (no serde chosen): the default"),
-        "cachegen": ("lz4", "LMCache's lossy cachegen codec is not implemented here; lz4 is lossless"),
-    },
-}
-
-# remote_url schemes of LMCache's backends that a backend here serves: scheme -> (used instead, why).
-_LMCACHE_SCHEMES: dict[str, tuple[str, str]] = {
-    "resp": ("redis", "LMCache's RESP backend speaks the Redis protocol, as the redis backend here does"),
-}
-
-# extra_config keys LMCache's remote backends (redis, valkey, resp) read and the backends here do not.
-_CREDENTIALS = "give credentials in remote_url (redis://user:password@host:port) or remote_auth_token"
-_LMCACHE_EXTRA_KEYS: dict[str, str] = {
-    **{k: _CREDENTIALS for k in ("valkey_username", "valkey_password", "username", "password",
-                                 "redis_username", "redis_password")},
-    "valkey_database": "give the database in remote_url (valkey://host:port/db)",
-    "redis_database": "give the database in remote_url (redis://host:port/db)",
-    "valkey_mode": "cluster mode is not implemented here (one host:port)",
-    "redis_mode": "cluster mode is not implemented here (one host:port)",
-}
-
-# LMCACHE_* variables LMCache reads elsewhere than in its config (the vLLM connector).
-_LMCACHE_ENV_ONLY: dict[str, _Compat] = {
-    "LMCACHE_FORCE_SKIP_SAVE": _ignore("forcing every save off is not implemented here", ""),
-}
-
-# kv_connector_extra_config keys LMCache's vLLM connector reads WITHOUT the `lmcache.` prefix
-# (lmcache/integration/vllm/vllm_v1_adapter.py), and vLLM's wrapper of it.
-_CONNECTOR_KEYS: dict[str, _Compat] = {
-    # LMCache: partial chunks are discarded when this is true OR save_unfull_chunk is false.
-    "discard_partial_chunks": _Compat(
-        "alias", "LMCache's connector discards partial chunks when it is true",
-        target="save_unfull_chunk", default=False,
-        convert=_discard_partial),
-    "lmcache_rpc_port": _ignore(
-        "not needed: lookup sockets here are named by vLLM's engine_id, unique per instance", 0),
-    "skip_last_n_tokens": _ignore("LMCache's PD proxy appends the prefill's token to the decoder's prompt; "
-                                  "`lmcache-triton proxy` sends the prompt unchanged, so no token is skipped "
-                                  "at lookup", 0),
-    "use_native": _ignore("it picks vLLM's copy of LMCache's connector, not this one", False),
-}
-
-
-def reset_warnings() -> None:
-    """Forget which names were warned about, so the next load warns about each again."""
-    _warned_env.clear()
-
-
-def _warn_once(name: str, message: str) -> None:
-    if name not in _warned_env:
-        _warned_env.add(name)
-        logger.warning("%s", message)
-
-
-def _matches_default(value: Any, default: Any) -> bool:
-    """`value` (typed, or the text of an environment variable) equals LMCache's default."""
-    if default is _ANY:
-        return False
-    if isinstance(value, str):
-        text = _unquote(value).strip()
-        low = text.lower()
-        if default is None:
-            return low in _NONE
-        if isinstance(default, bool):
-            return low in (_TRUE if default else _FALSE)
-        if isinstance(default, (int, float)):
-            try:
-                return float(text) == default
-            except ValueError:
-                return False
-        return isinstance(default, str) and low == default.lower()
-    if isinstance(value, bool) or isinstance(default, bool):
-        return value is default
-    if default is None or value is None:
-        return value is default
-    if _is_number(value) and _is_number(default):
-        return float(value) == float(default)
-    return False
-
-
-def _apply_compat(name: str, entry: _Compat, value: Any, where: str, out: dict[str, Any],
-                  parse_env: bool = False) -> None:
-    """Act on one LMCache name (see _LMCACHE_NAMES); an alias writes its target into `out`.
-    `parse_env`: `value` is the text of the environment variable `name`."""
-    shown = f"{name} ({where})" if where else name
-    if _matches_default(value, entry.default):
-        return  # LMCache's default: nothing to honour, drop or refuse
-    if entry.action == "reject":
-        raise ConfigError(f"cannot honour {shown}: {entry.reason}")
-    if entry.action == "ignore":
-        _warn_once(name, f"{entry.reason}; ignoring {shown}")
-        return
-    target = entry.target
-    assert entry.action == "alias" and target is not None
-    if parse_env:
-        try:
-            value = _parse_env(target, value)
-        except ConfigError:
-            raise ConfigError(
-                f"cannot parse environment variable {name}={value!r}: "
-                f"expected {_FIELDS[target].describe()}"
-            ) from None
-    converted, note = entry.convert(name, value)
-    if converted is _DROP:
-        _warn_once(name, f"{shown}: {entry.reason}; ignoring it{note}")
-        return
-    if target in out:
-        try:
-            existing = _FIELDS[target].coerce(out[target])
-        except ConfigError:
-            existing = out[target]
-        if existing != _FIELDS[target].coerce(converted):
-            raise ConfigError(
-                f"{shown} and '{target}' are both given, with different values "
-                f"({value!r} and {out[target]!r}); keep '{target}' only"
-            )
-    out[target] = converted
-    _warn_once(name, f"{shown}: {entry.reason}; using {target}={converted!r}{note}")
-
-
-def _translate_values(values: dict[str, Any], where: str) -> None:
-    """Replace (in place) the field values LMCache accepts and this project does not."""
-    extra = values.get("extra_config")
-    if isinstance(extra, Mapping):
-        for k, hint in _LMCACHE_EXTRA_KEYS.items():
-            if k in extra:
-                _warn_once(f"extra_config.{k}", f"extra_config.{k} ({where}) is not read here: {hint}")
-    url = values.get("remote_url")
-    if isinstance(url, str) and "://" in url:
-        scheme, rest = url.split("://", 1)
-        if scheme in _LMCACHE_SCHEMES:
-            used, why = _LMCACHE_SCHEMES[scheme]
-            values["remote_url"] = f"{used}://{rest}"
-            _warn_once(f"remote_url={scheme}", (
-                f"{why}; using remote_url={redact_url(values['remote_url'])!r} "
-                f"for {scheme}:// ({where})"))
-    for key, table in _LMCACHE_VALUES.items():
-        value = values.get(key, _ANY)
-        if value is _ANY or not isinstance(value, (str, type(None))) or value not in table:
-            continue
-        used, why = table[value]
-        values[key] = used
-        if value is not None:
-            shown = f"{key}={value!r}" + (f" ({where})" if where else "")
-            _warn_once(f"{key}={value}", f"{why}; using {key}={used!r} for {shown}")
-
-
-def _translate(values: Mapping[Any, Any], where: str) -> dict[str, Any]:
-    """Fields kept, LMCache's names applied (see _LMCACHE_NAMES); anything else: ConfigError."""
-    out: dict[str, Any] = {k: v for k, v in values.items() if k in _FIELDS}
-    _translate_values(out, where)
-    for k, v in values.items():
-        if k in _FIELDS:
-            continue
-        entry = _LMCACHE_NAMES.get(k) if isinstance(k, str) else None
-        if entry is None:
-            raise _unknown_key(k, where)
-        _apply_compat(k, entry, v, where, out)
-    return out
+    return field_reference(_FIELDS)
 
 
 def connector_overrides(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """The config overrides in vLLM's ``kv_connector_extra_config``, as LMCache's connector reads
-    them: ``lmcache.<key>`` keys, plus the keys it reads without the prefix (``_CONNECTOR_KEYS``:
-    mapped or warned about). Other keys are warned about once: a config key there without the
-    prefix has no effect in LMCache either."""
-    overrides: dict[str, Any] = {}
-    bare: dict[str, Any] = {}
-    for key, value in (extra or {}).items():
-        if not isinstance(key, str):
-            raise _unknown_key(key, "kv_connector_extra_config")
-        if key.startswith(OVERRIDE_PREFIX):
-            overrides[key] = value
-        else:
-            bare[key] = value
-    out = _strip_override_prefix(overrides, "kv_connector_extra_config")
-    for key, value in bare.items():
-        entry = _CONNECTOR_KEYS.get(key)
-        if entry is not None:
-            _apply_compat(key, entry, value, "kv_connector_extra_config", out)
-        elif key in _FIELDS or key in _LMCACHE_NAMES:
-            _warn_once(f"extra:{key}", (
-                f"ignoring kv_connector_extra_config key '{key}': config keys need the "
-                f"'{OVERRIDE_PREFIX}' prefix there (as in LMCache), e.g. '{OVERRIDE_PREFIX}{key}'"))
-        else:
-            _warn_once(f"extra:{key}", (
-                f"ignoring kv_connector_extra_config key '{key}': neither LMCache's connector nor "
-                f"this one reads it{_suggest(key, list(_CONNECTOR_KEYS))}"))
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# Environment variable parsing
-# ---------------------------------------------------------------------------------------
-def _env_name(key: str) -> str:
-    return ENV_PREFIX + key.upper()
-
-
-def _unquote(s: str) -> str:
-    t = s.strip()
-    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
-        return t[1:-1]
-    return s
-
-
-def _parse_env(key: str, raw: str) -> Any:
-    """Parse the text of ``LMCACHE_<KEY>`` by the field's type."""
-    f = _FIELDS[key]
-    var = f.env
-    text = raw.strip()
-
-    def fail(extra: str = "") -> ConfigError:
-        return ConfigError(
-            f"cannot parse environment variable {var}={raw!r}: expected {f.describe()}"
-            + (f" ({extra})" if extra else "")
-        )
-
-    if f.optional and text.lower() in _NONE:
-        return None
-    kind = f.kind
-    if kind == "str":
-        # Strings are kept as written (blend_special_str is " # # "), quotes removed.
-        return _unquote(raw)
-    if kind == "bool":
-        low = text.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise fail("one of true/false/1/0/yes/no/on/off")
-    if kind == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise fail() from None
-    if kind == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise fail() from None
-    if kind in ("list[int]", "list[float]"):
-        conv = int if kind == "list[int]" else float
-        if text.startswith("["):
-            try:
-                items = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise fail(str(e).splitlines()[0]) from None
-            if not isinstance(items, list):
-                raise fail()
-        else:
-            items = [p.strip() for p in text.split(",") if p.strip()]
-        try:
-            return [conv(x) if isinstance(x, str) else x for x in items]
-        except ValueError:
-            raise fail("comma-separated like 1,3 or a list like [1, 3]") from None
-    if kind == "dict":
-        try:
-            value = yaml.safe_load(text)  # YAML is a superset of JSON
-        except yaml.YAMLError as e:
-            raise fail(str(e).splitlines()[0]) from None
-        if not isinstance(value, dict):
-            raise fail('a mapping like {"key": 1}')
-        return value
-    raise AssertionError(kind)  # pragma: no cover
-
-
-def _env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The config values set through ``LMCACHE_<FIELD>`` variables, parsed; LMCache's other
-    variables (``_LMCACHE_NAMES``, ``_LMCACHE_ENV_ONLY``) mapped, warned about or refused."""
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    compat: list[tuple[str, _Compat, str]] = []
-    field_vars = {_env_name(k): k for k in _FIELDS}
-    for var, raw in env.items():
-        if not var.startswith(ENV_PREFIX):
-            continue
-        key = field_vars.get(var)
-        if key is not None:
-            values[key] = _parse_env(key, raw)
-            continue
-        if var in _NON_FIELD_ENV:
-            continue
-        entry = _LMCACHE_NAMES.get(var[len(ENV_PREFIX):].lower()) or _LMCACHE_ENV_ONLY.get(var)
-        if entry is not None:
-            compat.append((var, entry, raw))
-        elif var not in _warned_env:
-            _warned_env.add(var)
-            match = difflib.get_close_matches(var[len(ENV_PREFIX):].lower(), list(_FIELDS), n=1, cutoff=0.6)
-            logger.warning(
-                "ignoring unknown environment variable %s%s",
-                var,
-                f"; did you mean '{_env_name(match[0])}'?" if match else "",
-            )
-    _translate_values(values, "environment")
-    for var, entry, raw in compat:  # after the fields, so an alias meets its target's value
-        _apply_compat(var, entry, raw, "", values, parse_env=True)
-    return values
-
-
-# ---------------------------------------------------------------------------------------
-# Files and overrides
-# ---------------------------------------------------------------------------------------
-def _read_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    p = os.fspath(path)
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {p!r}: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"cannot parse config file {p!r} as YAML: {e}") from e
-    if data is None:  # empty file
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {p!r} must hold a YAML mapping of config keys, "
-            f"got {type(data).__name__}"
-        )
-    return _translate(data, f"config file {p!r}")
-
-
-def _strip_override_prefix(overrides: Mapping[str, Any], where: str = "overrides") -> dict[str, Any]:
-    """Accept ``{"chunk_size": 256}`` and ``{"lmcache.chunk_size": 256}`` alike; LMCache's other
-    names (``_LMCACHE_NAMES``) are applied."""
-    out: dict[str, Any] = {}
-    for raw_key, value in overrides.items():
-        if not isinstance(raw_key, str):
-            raise _unknown_key(raw_key, where)
-        key = raw_key[len(OVERRIDE_PREFIX):] if raw_key.startswith(OVERRIDE_PREFIX) else raw_key
-        if key not in _FIELDS and key not in _LMCACHE_NAMES:
-            raise _unknown_key(raw_key, where, bare=key)
-        if key in out and out[key] != value:
-            raise ConfigError(
-                f"config key '{key}' is given twice in {where} with different values "
-                f"({_shown(key, out[key])!r} and {_shown(key, value)!r}, "
-                f"with and without the '{OVERRIDE_PREFIX}' prefix)"
-            )
-        out[key] = value
-    return _translate(out, where)
-
-
-def _shown(key: str, value: Any) -> Any:
-    f = _FIELDS.get(key)
-    return value if f is None else f.shown(value)
+    them: ``lmcache.<key>`` keys, plus the keys it reads without the prefix (mapped or warned
+    about; see :func:`lmcache_triton.lmcache_compat.connector_overrides`)."""
+    return lmcache_compat.connector_overrides(extra, _FIELDS)
 
 
 def _check_keys(values: Mapping[str, Any], source: str) -> None:
     for k in values:
         if k not in _FIELDS:
-            raise _unknown_key(k, source)
+            raise unknown_key(k, _FIELDS, source)

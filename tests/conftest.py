@@ -34,12 +34,12 @@ def _free_port() -> int:
 @pytest.fixture
 def clean_lmcache_env(monkeypatch):
     """No LMCACHE_* variable of the calling shell leaks into a config test; warnings warn anew."""
-    from lmcache_triton import config as config_mod
+    from lmcache_triton import lmcache_compat
 
     for var in list(os.environ):
         if var.startswith("LMCACHE_"):
             monkeypatch.delenv(var)
-    monkeypatch.setattr(config_mod, "_warned_env", set())
+    monkeypatch.setattr(lmcache_compat, "_warned_env", set())
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 
 from lmcache_triton import config as config_mod
 from lmcache_triton.config import ConfigError, LMCacheEngineConfig
+from lmcache_triton.remote_url import CLUSTER_PROTOCOLS, REMOTE_SCHEMES, redact_url, remote_url_forms
 
 
 pytestmark = pytest.mark.usefixtures("clean_lmcache_env")
@@ -580,19 +581,31 @@ def test_config_is_what_was_asked(given):
     assert LMCacheEngineConfig.from_dict(d) == c
 
 
+# config and the modules it is built from (its rooms): together the lowest floor.
+CONFIG_ROOMS = ("config", "config_fields", "config_sources", "lmcache_compat", "remote_url")
+
+
 def test_config_imports_nothing_of_the_package():
-    """config is the lowest floor: the standard library and PyYAML only."""
+    """config and its rooms are the lowest floor: the standard library, PyYAML and each other only."""
     import ast
 
-    tree = ast.parse(Path(config_mod.__file__).read_text())
     imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "no relative imports"
-            imported.add(node.module.split(".")[0])
-    assert "lmcache_triton" not in imported
+    for room in CONFIG_ROOMS:
+        tree = ast.parse((Path(config_mod.__file__).parent / f"{room}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, "no relative imports"
+                names = [node.module] if node.module != "lmcache_triton" else [f"lmcache_triton.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                top, _, rest = name.partition(".")
+                if top == "lmcache_triton":
+                    assert rest.split(".")[0] in CONFIG_ROOMS, f"{room} imports {name}, above the lowest floor"
+                else:
+                    imported.add(top)
     assert imported - set(sys.stdlib_module_names) == {"yaml"}
 
 
@@ -612,7 +625,7 @@ def test_remote_schemes_config_and_backend_factory_agree(monkeypatch):
     from lmcache_triton.storage import redis_cluster
 
     monkeypatch.setattr(redis_cluster, "RedisClusterBackend", lambda url, *a, **k: built.append(("cluster", url)))
-    candidates = [*config_mod.REMOTE_SCHEMES, "http", "https", "resp", "unix", "s3", "mooncakestore", "lms",
+    candidates = [*REMOTE_SCHEMES, "http", "https", "resp", "unix", "s3", "mooncakestore", "lms",
                   "tcp", "file", "redis+tls", "valkeyss", "REDIS"]
     accepted_by_config, accepted_by_factory = set(), set()
     for scheme in candidates:
@@ -627,15 +640,15 @@ def test_remote_schemes_config_and_backend_factory_agree(monkeypatch):
             accepted_by_factory.add(scheme)
         except ValueError as e:
             assert "unsupported remote url scheme" in str(e)
-            assert config_mod.remote_url_forms() in str(e)
+            assert remote_url_forms() in str(e)
     assert accepted_by_config == accepted_by_factory
-    assert {s.lower() for s in accepted_by_config} == set(config_mod.REMOTE_SCHEMES)  # URL schemes ignore case
+    assert {s.lower() for s in accepted_by_config} == set(REMOTE_SCHEMES)  # URL schemes ignore case
     assert "valkeys" in accepted_by_config and len(built) == len(accepted_by_factory)
-    for scheme, protocol in config_mod.REMOTE_SCHEMES.items():
+    for scheme, protocol in REMOTE_SCHEMES.items():
         if protocol in ("redis", "rediss"):
             assert redis_backend.redis_url(f"{scheme}://h:1").startswith(f"{protocol}://")
         elif protocol != "lm":
-            assert protocol in config_mod.CLUSTER_PROTOCOLS
+            assert protocol in CLUSTER_PROTOCOLS
 
 
 @pytest.mark.parametrize(
@@ -655,11 +668,11 @@ def test_one_redaction_for_config_and_backend(url, shown):
     from lmcache_triton.storage import redis_backend
 
     assert not hasattr(config_mod, "_redact_url") and not hasattr(redis_backend, "_redact")
-    assert config_mod.redact_url(url) == shown and SECRET not in shown
+    assert redact_url(url) == shown and SECRET not in shown
     c = LMCacheEngineConfig.from_defaults(remote_url=url)
     assert c.to_dict(redact=True)["remote_url"] == shown
     assert f"remote={shown}(" in c.summary() and SECRET not in repr(c) + str(c)
-    if config_mod.REMOTE_SCHEMES[url.split("://")[0]] != "lm":
+    if REMOTE_SCHEMES[url.split("://")[0]] != "lm":
         pytest.importorskip("redis")
         b = redis_backend.RedisBackend(url, None)  # connects lazily: nothing listens, nothing is sent
         try:
@@ -682,7 +695,7 @@ def test_one_redaction_for_config_and_backend(url, shown):
 def test_refused_urls_never_show_the_secret(url):
     from lmcache_triton.storage import remote
 
-    assert SECRET not in config_mod.redact_url(url)
+    assert SECRET not in redact_url(url)
     with pytest.raises(ConfigError, match="remote_url") as ei:
         LMCacheEngineConfig.from_defaults(remote_url=url)
     assert SECRET not in str(ei.value)

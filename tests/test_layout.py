@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 FLOORS = {  # module prefix -> floor; the longest matching prefix decides
     "lmcache_triton": 0,  # the package's __init__ (its public names resolve lazily, by string)
     "lmcache_triton.config": 0,
+    "lmcache_triton.config_fields": 0,
+    "lmcache_triton.config_sources": 0,
+    "lmcache_triton.lmcache_compat": 0,
+    "lmcache_triton.remote_url": 0,
     "lmcache_triton.metadata": 0,
     "lmcache_triton.keys": 0,
     "lmcache_triton.kernels": 0,

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from lmcache_triton import config as config_mod
+from lmcache_triton import config as config_mod, lmcache_compat
 from lmcache_triton.config import ConfigError, LMCacheEngineConfig, connector_overrides
 
 DATA = Path(__file__).parent / "lmcache_configs"
@@ -69,7 +69,7 @@ def load_file(caplog, name, **kw):
 
 def test_every_lmcache_name_has_a_fate():
     """Each LMCache name is a field here, or in the table (alias / ignore / reject)."""
-    table = config_mod._LMCACHE_NAMES
+    table = lmcache_compat.LMCACHE_NAMES
     missing = [n for n in LMCACHE_V1_NAMES if n not in config_mod._FIELDS and n not in table]
     assert missing == []
     assert not set(table) & set(config_mod._FIELDS)
@@ -78,7 +78,7 @@ def test_every_lmcache_name_has_a_fate():
         assert entry.reason, name
         if entry.action == "alias":
             assert entry.target in config_mod._FIELDS and entry.convert is not None, name
-    for entry in config_mod._CONNECTOR_KEYS.values():
+    for entry in lmcache_compat.CONNECTOR_KEYS.values():
         assert entry.action in ("alias", "ignore") and entry.reason
 
 
@@ -154,7 +154,7 @@ def test_rag_blending_example_percentage_ratio(caplog):
     LMCACHE_USE_LAYERWISE=true it loads with the ratio read as 15%."""
     with pytest.raises(ConfigError, match="use_layerwise.*add use_layerwise: true"):
         load_file(caplog, "rag_example_blending.yaml")
-    config_mod.reset_warnings()
+    lmcache_compat.reset_warnings()
     caplog.clear()
     c = load_file(caplog, "rag_example_blending.yaml", environ={"LMCACHE_USE_LAYERWISE": "true"})
     assert c.enable_blending and c.use_layerwise and c.blend_recompute_ratios == (0.15,)
@@ -243,7 +243,7 @@ def test_ci_pd_env_and_connector_keys_warned(caplog, side):
         with pytest.raises(ConfigError, match="'pd_role' = 'receiver' needs 'pd_peer_host'.*'pd_peer_init_port'"):
             load_ci(caplog, "ci_pd.yaml", docker=f"docker-{side}", vllm=f"vllm-{side}")
         caplog.clear()
-        config_mod.reset_warnings()
+        lmcache_compat.reset_warnings()
         c = load_ci(caplog, "ci_pd.yaml", docker=f"docker-{side}", vllm=f"vllm-{side}",
                     extra_env={"LMCACHE_PD_PEER_INIT_PORT": "7300"})
         assert (c.pd_role, c.pd_peer_host, c.pd_peer_init_port, c.cpu_tier_bytes) == ("receiver", "localhost",

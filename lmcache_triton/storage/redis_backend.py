@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from lmcache_triton.config import REMOTE_SCHEMES, redact_url
 from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.remote_url import REMOTE_SCHEMES, redact_url
 from lmcache_triton.storage import serde
 from lmcache_triton.storage.remote_base import CONNECT_TIMEOUT_S, RemoteChunkBackend
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from lmcache_triton.config import REMOTE_SCHEMES, cluster_nodes, redact_url
 from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.remote_url import REMOTE_SCHEMES, cluster_nodes, redact_url
 from lmcache_triton.storage import serde
 from lmcache_triton.storage.redis_backend import KEY_PREFIX, bounded_get, require_redis
 from lmcache_triton.storage.remote_base import (

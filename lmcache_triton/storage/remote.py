@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from lmcache_triton.config import CLUSTER_PROTOCOLS, REMOTE_SCHEMES, redact_url, remote_url_forms
 from lmcache_triton.metadata import LMCacheEngineMetadata
+from lmcache_triton.remote_url import CLUSTER_PROTOCOLS, REMOTE_SCHEMES, redact_url, remote_url_forms
 from lmcache_triton.server import wire
 from lmcache_triton.server.wire import Command, Limits, Status
 from lmcache_triton.storage import serde

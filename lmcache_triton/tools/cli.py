@@ -71,6 +71,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     import os
 
     from lmcache_triton import config as cfg
+    from lmcache_triton.config_sources import CONFIG_FILE_ENV
+    from lmcache_triton.lmcache_compat import reset_warnings
 
     class _Collect(logging.Handler):
         def __init__(self) -> None:
@@ -80,10 +82,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         def emit(self, record: logging.LogRecord) -> None:
             self.messages.append(record.getMessage())
 
-    source = args.file or os.environ.get(cfg.CONFIG_FILE_ENV) or None
+    source = args.file or os.environ.get(CONFIG_FILE_ENV) or None
     lg = logging.getLogger("lmcache_triton")
     collect, propagate = _Collect(), lg.propagate
-    cfg.reset_warnings()  # every warning of this load, even ones this process already gave
+    reset_warnings()  # every warning of this load, even ones this process already gave
     lg.addHandler(collect)
     lg.propagate = False
     try:
@@ -99,7 +101,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     finally:
         lg.removeHandler(collect)
         lg.propagate = propagate
-    print(f"# config file: {source}" if source else f"# config file: none ({cfg.CONFIG_FILE_ENV} unset)")
+    print(f"# config file: {source}" if source else f"# config file: none ({CONFIG_FILE_ENV} unset)")
     print(json.dumps(config.to_dict(redact=True), indent=2))
     for m in collect.messages:
         print(f"warning: {m}")
