@@ -38,7 +38,7 @@ MAIN_PANELS = (
     "Store / retrieve throughput (while busy)",
     "Latency p50 / p99",
     "Tier usage and capacity",
-    "Pinned chunks and expired leases",
+    "Held chunks and expired leases",
 )
 
 

@@ -143,7 +143,7 @@ def test_offset_slot_mapping_covers_only_the_new_tokens():
     assert torch.equal(paged_gather(dst, slots[CHUNK:], "vllm_cpu"), paged_gather(src, slots[CHUNK:], "vllm_cpu"))
 
 
-def test_lru_eviction_through_the_engine_and_lookup_pins():
+def test_lru_eviction_through_the_engine_and_lookup_reservations():
     chunk_bytes = 2 * LAYERS * CHUNK * HEADS * HEAD * 2
     engine, caches = _setup(max_gb=3.5 * chunk_bytes / 2**30)  # room for three chunks
     src = caches(g=torch.Generator().manual_seed(0))

@@ -47,7 +47,7 @@ def _put(backend: LocalCPUBackend, i: int) -> bool:
     return True
 
 
-def test_lru_evicts_the_oldest_unpinned_chunk():
+def test_lru_evicts_the_oldest_chunk_not_held():
     be = _backend(3)
     for i in range(3):
         _put(be, i)
@@ -61,14 +61,14 @@ def test_lru_evicts_the_oldest_unpinned_chunk():
     assert (s.puts, s.hits, s.misses, s.evictions, s.put_failures, s.errors, s.corrupt) == (4, 1, 0, 1, 0, 0, 0)
 
 
-def test_pinned_chunk_is_never_evicted_and_full_pinned_tier_refuses():
+def test_held_chunk_is_never_evicted_and_a_tier_full_of_held_chunks_refuses():
     be = _backend(2)
     _put(be, 0)
     _put(be, 1)
-    assert be.get(_key(0)) is not None  # pinned by a lookup
+    assert be.get(_key(0)) is not None  # held by a lookup
     _put(be, 2)
     assert be.contains(_key(0)) and not be.contains(_key(1)) and be.contains(_key(2))
-    held = be.get(_key(2))  # now everything is pinned
+    held = be.get(_key(2))  # now everything is held
     assert not _put(be, 3), "a tier full of held chunks refuses instead of evicting them"
     assert be.stats().put_failures == 1 and be.contains(_key(0)) and be.contains(_key(2))
     assert be.stats().put_failures == 1 and be.stats().held_chunks == 2

@@ -222,7 +222,7 @@ def test_memory_obj_free_is_atomic():
     assert pool.allocate((1,), torch.uint8, MemoryFormat.KV_2LTD) is None, "the range went back to the pool twice"
 
 
-def test_write_through_object_cannot_be_evicted_between_insert_and_pin(tmp_path):
+def test_write_through_object_cannot_be_evicted_between_insert_and_hold(tmp_path):
     """Another thread's eviction right after `put` inserted the chunk into the CPU tier must not
     free the memory the disk writer is about to read."""
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=3 * 8704 / 2**30,
@@ -236,7 +236,7 @@ def test_write_through_object_cannot_be_evicted_between_insert_and_pin(tmp_path)
 
         def put_then_evict(key, obj, *a, **kw):
             ok = original_put(key, obj, *a, **kw)
-            # another thread fills the tier now: evicts whatever is unpinned, reuses its memory
+            # another thread fills the tier now: evicts whatever is not held, reuses its memory
             while (o := m.cpu.allocate((2, LAYERS, CHUNK, HEADS * HEAD), torch.bfloat16,
                                        MemoryFormat.KV_2LTD)) is not None:
                 o.tensor.fill_(-1)
@@ -265,7 +265,7 @@ def test_write_through_object_cannot_be_evicted_between_insert_and_pin(tmp_path)
 
 
 def test_threaded_stress_zero_wrong_bytes(tmp_path):
-    """Store, held lookup, retrieve, eviction and write-through to disk from several threads for
+    """Store, reserving lookup, retrieve, eviction and write-through to disk from several threads for
     a bounded time: every chunk read back holds exactly the bytes stored under its key."""
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=12 * 8704 / 2**30,
                                                local_disk=str(tmp_path), max_local_disk_size=0.0005)
@@ -300,7 +300,7 @@ def test_threaded_stress_zero_wrong_bytes(tmp_path):
             i = rnd.randrange(len(keys))
             if rnd.random() < 0.5:
                 held: list = []
-                m.batched_contains([keys[i]], held=held)
+                m.contains([keys[i]], io=True, prefix=True, hold_into=held)
                 got = held
             else:
                 obj = m.get(keys[i])
@@ -386,7 +386,7 @@ def test_misses_are_counted_by_reason(closing, tmp_path):
         data = bytearray(f.read_bytes())
         data[-3] ^= 0xFF
         f.write_bytes(bytes(data))
-    # the lookup server's held lookup reads (and checks) what it promotes
+    # the lookup server's reserving lookup reads (and checks) what it promotes
     assert engine.lookup(stored, reserve=True, lookup_id="c") == 0
     engine.release_reservation("c")
     assert engine.get_stats().miss_tokens["checksum_or_format"] == CHUNK

@@ -208,7 +208,7 @@ class LMCacheEngine:
         self._quiet_prefault()
         steps = self.gpu_connector.steps
         chunks = [(start, end, self._object_keys(key)) for start, end, key in self._chunks(tokens, mask, scope)]
-        present = self.storage_manager.contains_in_memory([k for *_, keys in chunks for k in keys])
+        present = self.storage_manager.contains([k for *_, keys in chunks for k in keys], io=False, prefix=False)
         starts: list[int] = []
         ends: list[int] = []
         keys_by_chunk: list[list[CacheEngineKey]] = []
@@ -291,8 +291,8 @@ class LMCacheEngine:
     def send(self, tokens: TokensOrCount, *, to: StorageBackend, kvcaches: Sequence[torch.Tensor],
              slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> int:
         """Sends the chunks of `tokens` to another instance's tier `to` (a PD receiver), first chunk
-        first, and waits for each; returns the end of the prefix the receiver now holds. A chunk
-        this tier holds is sent as stored, any other is gathered from the paged cache. It stops at
+        first, and waits for each; returns the end of the prefix the receiver now keeps. A chunk
+        this tier keeps is sent as stored, any other is gathered from the paged cache. It stops at
         the first chunk that fails (the receiver is gone or full): the chunks after it would be
         useless without it, and the decoder computes them itself."""
         if self.layerwise or not self.prefix_chain:
@@ -444,7 +444,7 @@ class LMCacheEngine:
         for b in range(0, len(keys), self._LOOKUP_BATCH):
             batch = keys[b:b + self._LOOKUP_BATCH]
             held: list | None = [] if lease is not None else None
-            n = self.storage_manager.batched_contains(batch, held=held)
+            n = self.storage_manager.contains(batch, io=True, prefix=True, hold_into=held)
             if lease is not None and not self.reservations.add(lease, held):
                 lease = None  # released (timed out, aborted) while we looked: stop holding
             found += n
@@ -462,7 +462,7 @@ class LMCacheEngine:
         for start, end, key in self._chunks(tokens, None, scope):
             keys = self._object_keys(key)
             held: list | None = [] if lease is not None else None
-            n = self.storage_manager.batched_contains(keys, held=held)
+            n = self.storage_manager.contains(keys, io=True, prefix=True, hold_into=held)
             if lease is not None and not self.reservations.add(lease, held):
                 lease = None
             if n < len(keys):

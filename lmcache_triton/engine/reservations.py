@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from lmcache_triton.storage.memory import MemoryObj
+from lmcache_triton.storage.manager import Hold
 from lmcache_triton.keys import CacheEngineKey
-
-Hold = tuple[CacheEngineKey, MemoryObj]
 
 
 @dataclass

@@ -39,14 +39,14 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
-        """Stores `obj.tensor` under `key`, synchronously; the caller keeps `obj` held meanwhile.
+        """Stores `obj.tensor` under `key`, synchronously; `obj` stays held (the caller's hold) meanwhile.
 
         False on failure (logged once per kind, counted); never raises for I/O problems.
         """
 
     @abc.abstractmethod
     def get(self, key: CacheEngineKey, allocate: AllocateFn) -> MemoryObj | None:
-        """Reads the chunk into a MemoryObj obtained from `allocate`; the caller owns it.
+        """Reads the chunk into a MemoryObj obtained from `allocate`; the caller owns it (no tier keeps it yet).
 
         Missing, corrupt, checksum/version/shape/dtype mismatch, I/O error: frees the object if one
         was allocated, counts, and returns None (a miss).

@@ -60,7 +60,7 @@ _HEX = frozenset("0123456789abcdef")
 # fresh; ten minutes without a change means the writer is gone (killed, its host down, or its pid
 # reused by another process), and the file is only wasting space.
 TEMP_STALE_SECONDS = 10 * 60
-# <stem>-<host>-<pid>-<12 hex>; the host may itself hold '-', the other fields never do.
+# <stem>-<host>-<pid>-<12 hex>; the host may itself contain '-', the other fields never do.
 _TMP_NAME = re.compile(r"(?P<stem>[0-9a-f]+)-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>[0-9]+)-(?P<rand>[0-9a-f]{12})")
 
 
@@ -127,7 +127,7 @@ class ScanReport:
 class ChunkFiles(Generic[K]):
     """The chunk files under `root`, at most `capacity` bytes of them, least recently used evicted.
 
-    `key_name(key)` is the key string a file's header holds; `claim(header)` is the key of a file
+    `key_name(key)` is the key string a file's header names; `claim(header)` is the key of a file
     found at start, or raises SerdeError for a file that is not the owner's. Thread-safe: the
     index is changed under a lock, files are written and read outside it.
     """
@@ -194,7 +194,7 @@ class ChunkFiles(Generic[K]):
         return True
 
     def _forget(self, key: K, entry: _File, *, delete: bool) -> None:
-        """Drops `key` if the index still holds this very entry."""
+        """Drops `key` if the index still has this very entry."""
         with self._lock:
             if self._index.get(key) is entry:
                 self._index.pop(key)
@@ -208,7 +208,7 @@ class ChunkFiles(Generic[K]):
         now = time.time()
         for shard in sorted(self.root.iterdir()):
             if not (len(shard.name) == 2 and set(shard.name) <= _HEX and shard.is_dir()):
-                continue  # not ours: a shared or user directory may hold anything else
+                continue  # not ours: a shared or user directory may contain anything else
             for p in shard.iterdir():
                 if p.name.startswith(TMP_PREFIX):
                     if self._temp_abandoned(p, now):
@@ -262,7 +262,7 @@ class ChunkFiles(Generic[K]):
             report.foreign += 1
             return None
         if self.path_for(key) != p:
-            self._corrupt_at_start(p, f"holds key {header.key!r}, which is not named {p.name}")
+            self._corrupt_at_start(p, f"names key {header.key!r}, which is not named {p.name}")
             return None
         return st.st_mtime, key, _File(p, st.st_size)
 
@@ -303,7 +303,7 @@ class ChunkFiles(Generic[K]):
     def store(self, key: K, serialize: Callable[[], Sequence[bytes | memoryview]]) -> bool:
         """Writes the chunk `serialize()` makes (the file is the concatenation of its parts),
         evicting least recently used files for room. A key stored or being written is only
-        touched: keys name their content, so it already holds these bytes. False on failure
+        touched: keys name their content, so it already has these bytes. False on failure
         (logged once per kind, counted); never raises for I/O problems."""
         with self._lock:
             if self._closed:
@@ -399,7 +399,7 @@ class ChunkFiles(Generic[K]):
                 if size != header.file_nbytes:
                     raise SerdeError(f"file is {size} bytes, its header says {header.file_nbytes}")
                 if header.key != (expected := self._key_name(key)):
-                    raise SerdeError(f"file holds key {header.key!r}, expected {expected!r}")
+                    raise SerdeError(f"file names key {header.key!r}, expected {expected!r}")
                 result = consume(f, header)
         except FileNotFoundError:  # evicted or removed between the index lookup and the open
             self._forget(key, entry, delete=False)

@@ -50,7 +50,7 @@ class LocalCPUBackend:
             return key in self._objs
 
     def count_prefix(self, keys: Sequence[CacheEngineKey]) -> int:
-        """How many of `keys`, from the first, this tier holds: one lock for all (a lookup asks 32
+        """How many of `keys`, from the first, this tier keeps: one lock for all (a lookup asks 32
         keys for an 8K-token prompt; a lock and a call per key were 1 us each)."""
         with self._lock:
             return self._objs.count_prefix(keys)
@@ -66,7 +66,7 @@ class LocalCPUBackend:
             obj.hold()
             return obj
 
-    def holds(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+    def keeps(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
         """Whether `obj` is the object this tier keeps under `key`."""
         with self._lock:
             return self._objs.get(key) is obj
@@ -119,7 +119,7 @@ class LocalCPUBackend:
                     self._on_evict(key, old)
             return obj
 
-    def put(self, key: CacheEngineKey, obj: MemoryObj, holds: int = 0) -> bool:
+    def put(self, key: CacheEngineKey, obj: MemoryObj, *, holds: int = 0) -> bool:
         """Takes ownership of `obj`, with `holds` holds already on it when another thread can first
         see it (holding after the insert would let an eviction in between free memory the caller
         is about to read). A key already present keeps its object; the new one is freed."""
@@ -136,7 +136,7 @@ class LocalCPUBackend:
     def remove(self, key: CacheEngineKey) -> bool:
         """Drops a key. A held object leaves the map now (no new reader finds it) and its memory
         goes back to the pool at its last release (`StorageManager.release` frees objects that no
-        tier holds)."""
+        tier keeps)."""
         with self._lock:
             obj = self._objs.pop(key)
             if obj is None:

@@ -6,6 +6,9 @@ lower tier by a small thread pool, so `store` never waits on a disk or a network
 held (not evictable) until those writes finish. Reads take the first tier that has the chunk and
 promote lower-tier hits into the CPU tier. With `local_cpu: false` the CPU pool only stages chunks
 on their way down and up; nothing stays in it.
+
+What "hold", "keep", "stage", "reservation" and "pin" mean here: the package docstring
+(lmcache_triton/storage/__init__.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Literal, overload
 
 import torch
 
@@ -55,11 +59,14 @@ MISS_NEVER_STORED = "never_stored"
 MISS_EVICTED = "evicted"
 MISS_CORRUPT = "checksum_or_format"
 MISS_REMOTE = "remote_error"
-MISS_REFUSED = "pinned_tier_refusal"
+MISS_REFUSED = "pinned_tier_refusal"  # every CPU chunk held; the label keeps its old word (dashboards select on it)
 MISS_PARTIAL = "partial_chunk"
 MISS_BLEND = "blending_ineligible"
 MISS_REASONS = (MISS_NEVER_STORED, MISS_EVICTED, MISS_CORRUPT, MISS_REMOTE, MISS_REFUSED, MISS_PARTIAL, MISS_BLEND)
 _RECENT_MISSES = 16384  # keys remembered with why they went (or never came): ~2 MB
+
+# One hold: a key and its object, held; `StorageManager.release(key, obj)` ends it.
+Hold = tuple[CacheEngineKey, MemoryObj]
 
 
 class StorageManager:
@@ -75,7 +82,7 @@ class StorageManager:
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-write") if self.tiers else None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
-        # With local_cpu off, chunks a held lookup read from a lower tier wait here for the load
+        # With local_cpu off, chunks a reservation read from a lower tier wait here for the load
         # (which then reads memory, not the disk or network again), until their last release.
         self._staged: dict[CacheEngineKey, MemoryObj] = {}
         self._staged_lock = threading.Lock()
@@ -104,24 +111,55 @@ class StorageManager:
         return self.cpu.allocate(shape, dtype, fmt)
 
     # ---- queries ---------------------------------------------------------------------------------
-    def contains(self, key: CacheEngineKey) -> bool:
-        return self.batched_contains([key]) == 1
-
     def defer_prefault(self, seconds: float, *, at_least: bool = False) -> None:
         """Holds off committing the CPU tier's pages ahead for `seconds` (see TensorMemoryPool)."""
         self.cpu.pool.defer_prefault(seconds, at_least=at_least)
 
-    def contains_in_memory(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        """Presence as far as it is known without I/O: the CPU tier and the lower tiers that index
+    @overload
+    def contains(self, keys: Sequence[CacheEngineKey], *, io: bool, prefix: Literal[True],
+                 hold_into: list[Hold] | None = None) -> int: ...
+
+    @overload
+    def contains(self, keys: Sequence[CacheEngineKey], *, io: bool, prefix: Literal[False]) -> list[bool]: ...
+
+    def contains(self, keys: Sequence[CacheEngineKey], *, io: bool, prefix: bool,
+                 hold_into: list[Hold] | None = None) -> int | list[bool]:
+        """Which of `keys` the tiers keep.
+
+        io: False asks only what answers without I/O: the CPU tier and the lower tiers that index
         their chunks in memory (the disk). `store` runs inside vLLM's step and asks only this: a
-        remote that hangs must not hold the forward pass. The remote writers skip duplicates."""
+        remote that hangs must not hold up the forward pass (the remote's writers skip the duplicates
+        this lets through). True asks every tier, a remote included.
+        prefix: True returns how many of `keys`, from the first, some tier keeps (it stops asking
+        at the first missing key; with io, that key's miss reason is noted for the metrics);
+        False returns one bool per key.
+        hold_into (io and prefix only): every counted chunk is held in the CPU tier for the load
+        that follows (lower-tier hits are read and promoted into it first) and appended to the
+        list as (key, obj) as soon as it is held; the caller `release`s each (a reservation)."""
+        if isinstance(keys, CacheEngineKey):
+            raise TypeError("StorageManager.contains takes a sequence of keys, got one CacheEngineKey")
+        if hold_into is not None and not (io and prefix):
+            raise ValueError(f"contains(hold_into=...) needs io=True and prefix=True (got io={io}, "
+                             f"prefix={prefix}): holding a lower tier's hit reads it, and holds serve a prefix load")
+        if not io:
+            return self._prefix_in_memory(keys) if prefix else self._each_in_memory(keys)
+        return self._prefix(keys, hold_into) if prefix else self._each(keys)
+
+    def _each_in_memory(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         found = [self.cpu.contains(k) for k in keys]
         for tier in self.tiers:
             if tier.indexed_in_memory:
                 found = [f or tier.contains(k) for f, k in zip(found, keys)]
         return found
 
-    def _lower_contains(self, keys: Sequence[CacheEngineKey]) -> tuple[list[bool], bool]:
+    def _prefix_in_memory(self, keys: Sequence[CacheEngineKey]) -> int:
+        n = self.cpu.count_prefix(keys)
+        indexed = [tier for tier in self.tiers if tier.indexed_in_memory]
+        while n < len(keys) and any(tier.contains(keys[n]) for tier in indexed):
+            n += 1
+        return n
+
+    def _ask_lower_tiers(self, keys: Sequence[CacheEngineKey]) -> tuple[list[bool], bool]:
         """Presence in the lower tiers, asking each once for what is still missing; and whether a
         tier could not answer (unreachable, failing)."""
         found = [False] * len(keys)
@@ -138,23 +176,17 @@ class StorageManager:
                 found[i] = hit
         return found, unreachable
 
-    def contains_each(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        """Presence of every key in any tier (asks the lower tiers: I/O)."""
+    def _each(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         found = [self.cpu.contains(k) for k in keys]
         missing = [i for i, f in enumerate(found) if not f]
         if missing and self.tiers:
-            lower, _ = self._lower_contains([keys[i] for i in missing])
+            lower, _ = self._ask_lower_tiers([keys[i] for i in missing])
             for i, hit in zip(missing, lower):
                 found[i] = hit
         return found
 
-    def batched_contains(self, keys: Sequence[CacheEngineKey], held: list | None = None) -> int:
-        """How many of `keys`, from the first, are present in some tier (a prefix count).
-
-        With `held` (a list), every counted chunk is held in the CPU tier (lower-tier hits are
-        promoted into it first, the prefetch path) and appended to it as (key, obj) as soon as it
-        is: the caller `release`s each. The first missing key's reason is noted for the metrics."""
-        if held is None:
+    def _prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold] | None) -> int:
+        if hold_into is None:
             n = self.cpu.count_prefix(keys)
         else:
             n = 0
@@ -162,26 +194,26 @@ class StorageManager:
                 obj = self.cpu.get(key)
                 if obj is None:
                     break
-                held.append((key, obj))
+                hold_into.append((key, obj))
                 n += 1
         if n == len(keys) or not self.tiers:
             return n
         rest = keys[n:]
-        present, unreachable = self._lower_contains(rest)
+        present, unreachable = self._ask_lower_tiers(rest)
         for key, hit in zip(rest, present):
             if not hit:
                 if unreachable:
                     self.note_miss(key, MISS_REMOTE)
                 break
-            if held is not None:
+            if hold_into is not None:
                 obj = self.get(key)  # promoted and held; stays held for the caller's load
                 if obj is None:  # listed, but unreadable or failing its checks
                     self.note_miss(key, MISS_CORRUPT)
                     break
-                if not self.cpu.holds(key, obj):  # local_cpu off: staged for the load, freed at release
+                if not self.cpu.keeps(key, obj):  # local_cpu off: staged for the load, freed at release
                     with self._staged_lock:
                         self._staged.setdefault(key, obj)
-                held.append((key, obj))
+                hold_into.append((key, obj))
             n += 1
         return n
 
@@ -206,7 +238,7 @@ class StorageManager:
         return None
 
     def get_in_memory(self, key: CacheEngineKey) -> MemoryObj | None:
-        """`get` without I/O: the CPU tier, or a chunk a held lookup staged (with local_cpu off)."""
+        """`get` without I/O: the CPU tier, or a chunk a reservation staged (with local_cpu off)."""
         obj = self.cpu.get(key)
         if obj is not None:
             return obj
@@ -217,11 +249,11 @@ class StorageManager:
             return obj
 
     def release(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        """Ends a use begun by `get` (or a hold of `batched_contains`, or a write-through): releases its holds,
-        and frees objects that live in no tier (MemoryObj.free is idempotent: two last releases
+        """Ends one hold taken by `get`, `contains(hold_into=...)` or a write-through, and frees an
+        object that no tier keeps at its last release (MemoryObj.free is idempotent: two last releases
         racing free once)."""
         obj.unhold()
-        if not obj.is_held and not self.cpu.holds(key, obj):
+        if not obj.is_held and not self.cpu.keeps(key, obj):
             with self._staged_lock:
                 if obj.is_held:  # get_in_memory took it again meanwhile
                     return
@@ -305,7 +337,7 @@ class StorageManager:
         return removed
 
     def clear(self) -> int:
-        """Drops every unpinned chunk of the CPU tier (lower tiers keep theirs)."""
+        """Drops every chunk of the CPU tier that is not held (lower tiers keep theirs)."""
         return self.cpu.clear()
 
     def usage(self) -> dict[str, TierStats]:

@@ -266,7 +266,7 @@ class MemoryObj:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this object holds in its pool (its tensor, rounded up to the pool's alignment)."""
+        """Bytes this object takes in its pool (its tensor, rounded up to the pool's alignment)."""
         return self._nbytes
 
     def hold(self) -> None:

@@ -84,7 +84,7 @@ class CacheServerClient:
         """Not connected: one plain TCP connect tells a refused port (the server process is gone)
         at once, where ZMQ would retry quietly until the connect timeout. Seen in the fault suite:
         with the server killed, every lookup that reached it waited 1 s, and lookups queued
-        behind those expired before a prompt held in the CPU tier was counted."""
+        behind those expired before a prompt kept in the CPU tier was counted."""
         try:
             socket.create_connection(self._address, timeout=max(timeout_s, 0.001)).close()
         except ConnectionRefusedError:
@@ -101,7 +101,7 @@ class CacheServerClient:
     def request(self, command: Command, frames: Sequence = (), timeout_s: float | None = None) -> wire.Reply:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise RemoteUnavailable(f"{self.endpoint}: another request held the client past the timeout")
+            raise RemoteUnavailable(f"{self.endpoint}: another request had the client past the timeout")
         try:
             if self._closed:
                 raise RemoteError("client is closed")

@@ -221,7 +221,7 @@ def deserialize(
     mv = as_bytes_view(data)
     h = read_header(mv)
     if expected_key is not None and h.key != expected_key:
-        raise SerdeError(f"chunk holds key {h.key!r}, expected {expected_key!r}")
+        raise SerdeError(f"chunk names key {h.key!r}, expected {expected_key!r}")
     if expected_dtype is not None and h.dtype != expected_dtype:
         raise SerdeError(f"chunk {h.key!r} has dtype {h.dtype}, expected {expected_dtype}")
     if expected_shape is not None and h.shape != tuple(expected_shape):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 @dataclass
 class TierStats:
     """A snapshot of one tier. Counters only grow. None: a figure this tier cannot know (a
-    remote store holds, bounds and evicts its chunks itself), never a zero that means "unknown"."""
+    remote store keeps, bounds and evicts its chunks itself), never a zero that means "unknown"."""
 
     chunks: int | None = 0
     used_bytes: int | None = 0       # disk: its files and the writes in flight
