@@ -200,87 +200,6 @@ def _request(req_id="r", n=4 * CHUNK, **kw):
     return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(n)), num_tokens=n, **fields)
 
 
-def test_vllm_accepting_fewer_tokens_clamps_the_load():
-    side = _scheduler(hit=3 * CHUNK)
-    req = _request()
-    assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
-    side.update_state_after_alloc(req, None, CHUNK + 3)
-    assert side.load_specs["r"].lmcache_cached_tokens == CHUNK + 3
-    full = _request("f", n=3 * CHUNK)
-    assert side.get_num_new_matched_tokens(full, 0) == (3 * CHUNK - 1, False)
-    side.update_state_after_alloc(full, None, 3 * CHUNK - 1)
-    assert side.load_specs["f"].lmcache_cached_tokens == 3 * CHUNK, "the last token of a full hit rides along"
-
-
-def test_prompt_embeds_are_never_looked_up_or_saved():
-    side = _scheduler(hit=3 * CHUNK)
-    req = _request(prompt_embeds=torch.zeros(4, 8))
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert side.lookup_client.calls == []
-    assert "r" in side.uncacheable
-
-
-def test_lookup_carries_salt_adapter_and_multimodal_spans(tmp_path):
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8}))
-    (tmp_path / "adapter_model.safetensors").write_bytes(b"weights-1")
-    lora = SimpleNamespace(lora_name="a", lora_int_id=1, lora_path=str(tmp_path))
-    mm = [SimpleNamespace(identifier="img-hash", mm_position=SimpleNamespace(offset=5, length=3))]
-    side = _scheduler(hit=0)
-    side.get_num_new_matched_tokens(_request(cache_salt="salt", lora_request=lora, mm_features=mm), 0)
-    call = side.lookup_client.calls[0]
-    assert call["namespace"] == "salt" and call["adapter"].startswith("lora:a:")
-    prompt = list(range(4 * CHUNK))
-    assert call["chunk_hashes"] == TokenChain(CHUNK, [(5, 3, "img-hash")]).chunk_hashes(prompt), \
-        "the multimodal inputs are folded into the prompt's chain"
-    assert call["chunk_hashes"] != TokenChain(CHUNK).chunk_hashes(prompt)
-
-
-def test_adapter_identity_follows_the_weights_not_just_the_name(tmp_path):
-    def adapter(folder, weights):
-        folder.mkdir()
-        (folder / "adapter_config.json").write_text("{}")
-        (folder / "adapter_model.safetensors").write_bytes(weights)
-        return SimpleNamespace(lora_request=SimpleNamespace(lora_name="same-name", lora_path=str(folder)))
-
-    one, two = adapter(tmp_path / "one", b"w1"), adapter(tmp_path / "two", b"w2")
-    copy = adapter(tmp_path / "copy", b"w1")
-    assert adapter_identity(one) != adapter_identity(two)
-    assert adapter_identity(one) == adapter_identity(copy), "the same adapter in another folder shares KV"
-    assert adapter_identity(SimpleNamespace(lora_request=None)) == ""
-
-
-def test_verify_hit_rate_recomputes_and_schedules_a_check():
-    side = _scheduler(hit=2 * CHUNK, verify_hit_rate=1.0)
-    req = _request()
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False), "vLLM computes the hit itself"
-    new = SimpleNamespace(req_id="r", prompt_token_ids=req.prompt_token_ids, block_ids=([*range(8)],),
-                          num_computed_tokens=0, lora_request=None, sampling_params=None)
-    side.update_state_after_alloc(req, None, 0)
-    out = SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[new], num_scheduled_tokens={"r": 4 * CHUNK},
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
-    meta = side.build_connector_meta(out)
-    assert [m.verify_tokens for m in meta.requests] == [2 * CHUNK]
-
-
-def test_aborted_async_lookup_is_released_with_the_next_step():
-    side = _scheduler(hit=None, enable_async_loading=True)
-    req = _request()
-    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
-    side.request_finished(req, [])
-    out = SimpleNamespace(finished_req_ids={"r"}, scheduled_new_reqs=[], num_scheduled_tokens={},
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
-    assert side.build_connector_meta(out).lookup_requests_in_step == ["r"]
-
-
-@pytest.mark.parametrize("chain", [True, False], ids=["chain", "token-ids"])
-def test_too_few_blocks_never_raise_in_the_scheduler(chain):
-    new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(100)), block_ids=([0, 1],))
-    tracker = RequestTracker.from_new_request(new, 100, 0, skip_save=False, chain=TokenChain(CHUNK) if chain else None)
-    meta = ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, load_spec=LoadSpec(0, 96, True))
-    assert len(meta.slot_mapping) == meta.num_tokens == 96 and len(meta.token_ids) == (0 if chain else 96)
-    assert (meta.slot_mapping[:2 * BLOCK] >= 0).all() and (meta.slot_mapping[2 * BLOCK:] == -1).all()
-
-
 def test_a_saving_step_does_not_wait_on_a_remote_that_never_answers(tmp_path):
     """The done-when line: remote hung, blocking_timeout_secs 5, the worker's wait_for_save (what
     vLLM's step calls) returns at memory speed; the write-through waits in the background."""
@@ -376,29 +295,6 @@ def _counting(monkeypatch) -> list:
     real = keys_module.hashlib.sha256  # one per chunk hashed (the chain's hash function)
     monkeypatch.setattr(keys_module.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
     return calls
-
-
-def test_scheduler_hashes_a_prompt_once_and_ships_only_each_steps_chunks(monkeypatch):
-    side = _scheduler(hit=0)
-    n = 10 * CHUNK + 5
-    req = _request(n=n, cache_salt="salt")
-    req.all_token_ids = req.prompt_token_ids
-    calls = _counting(monkeypatch)
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert len(calls) == 11, "10 whole chunks and the partial tail, at the first lookup"
-    side.lookup_client.hit = None  # vLLM asks again while the request waits
-    side.get_num_new_matched_tokens(req, 0)
-    assert len(calls) == 11, "a repeated lookup of the request hashes nothing"
-    sent = side.lookup_client.calls
-    assert sent[0]["chunk_hashes"] is sent[1]["chunk_hashes"] and len(sent[0]["chunk_hashes"].hashes) == 11
-    side.lookup_client.hit = 0
-    metas = _prefill(side, req, range(n // BLOCK + 1), step=3 * CHUNK)
-    assert len(calls) == 11, "the tracker carries on with the lookup's chain"
-    saved = [m.requests[0] for m in metas if m.requests]
-    assert [(r.token_offset, r.num_tokens) for r in saved] == [(0, 96), (96, 192), (192, 288), (288, 320)]
-    assert all(r.token_ids == [] and len(r.chunk_hashes.hashes) == (r.num_tokens - r.token_offset) // CHUNK
-               for r in saved), "each step ships the slots and 16 bytes a chunk of its new chunks only"
-    assert all(r.namespace == "salt" for r in saved)
 
 
 def test_worker_stores_and_loads_the_steps_chunks_by_their_hashes():
@@ -614,28 +510,6 @@ def test_blocks_freed_before_the_save_would_store_wrong_bytes(closing):
 
     assert not stored_equals_computed(1000, free_early=True), "freed early: another request's bytes"
     assert stored_equals_computed(2000, free_early=False)
-
-
-def test_scheduler_holds_exactly_the_finished_requests_that_were_sent_a_save():
-    side = _scheduler(hit=0)
-    saved, looked_up = _request("saved", n=2 * CHUNK), _request("waiting", n=2 * CHUNK)
-    saved.all_token_ids = saved.prompt_token_ids
-    (meta,) = _prefill(side, saved, range(4), step=2 * CHUNK)
-    assert meta.requests[0].save_spec.can_save
-    side.get_num_new_matched_tokens(looked_up, 0)          # aborted before it was ever scheduled
-    assert side.request_finished(saved, [0, 1, 2, 3]) == (True, None)
-    assert side.request_finished(looked_up, []) == (False, None)
-    assert side.request_finished(saved, [0, 1, 2, 3]) == (False, None), "held once"
-
-    out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={}, scheduled_new_reqs=[],
-                          scheduled_cached_reqs=_no_cached(), preempted_req_ids={"p2", "p1"})
-    assert side.build_connector_meta(out).preempted_req_ids == ["p1", "p2"]
-
-    layerwise = _scheduler(hit=0, use_layerwise=True)   # its saves finish inside the forward
-    req = _request("lw", n=2 * CHUNK)
-    req.all_token_ids = req.prompt_token_ids
-    _prefill(layerwise, req, range(4), step=2 * CHUNK)
-    assert layerwise.request_finished(req, [0, 1, 2, 3]) == (False, None)
 
 
 def test_a_lookup_waits_for_the_saves_queued_before_it_only():

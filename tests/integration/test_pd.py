@@ -235,62 +235,6 @@ def test_rank_ports_and_disagg_specs_from_the_proxy():
 
 
 # ---- the glue -------------------------------------------------------------------------------------
-def _tracker(n: int, spec: DisaggSpec | None) -> RequestTracker:
-    ids = list(range(n))
-    tracker = RequestTracker(req_id="r", prompt_len=n, token_ids=[], allocated_block_ids=list(range(n // BLOCK + 1)),
-                             chain=TokenChain(CHUNK))
-    tracker.disagg_spec = spec
-    tracker.all = ids
-    return tracker
-
-
-def _step(tracker: RequestTracker, upto: int, cached: int = 0) -> ReqMeta | None:
-    tracker.update(tracker.all[len(tracker.token_ids):upto], [])
-    return ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, save_unfull_chunk=True)
-
-
-def test_the_last_prefill_step_sends_the_whole_prompt_once():
-    spec = DisaggSpec("r", receiver_host="h", receiver_init_port=(7300,))
-    tracker = _tracker(4 * CHUNK + 5, spec)
-    tracker.num_saved_tokens = 2 * CHUNK  # loaded from the prefiller's own cache: not saved, but sent
-    first = _step(tracker, 3 * CHUNK)
-    assert first.disagg_spec is None, "mid-prefill: nothing sent yet"
-    last = _step(tracker, 4 * CHUNK + 5)
-    assert last.disagg_spec is not None and last.disagg_spec.is_last_prefill
-    assert (last.token_offset, last.num_tokens) == (0, 4 * CHUNK + 5), "the prompt from token 0"
-    assert len(last.chunk_hashes.hashes) == 5 and last.chunk_hashes.first == 0
-    assert last.save_spec.skip_leading_tokens == 3 * CHUNK, "the save still stores only the new chunks"
-    assert last.disagg_spec is not tracker.disagg_spec, "the step's copy: the scheduler goes on"
-    tracker.update([99], [])  # the first decode step
-    assert ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, save_unfull_chunk=True) is None
-
-
-def test_scheduler_reads_the_proxys_disagg_spec_only_as_a_sender():
-    from test_connector_glue import _new_req, _no_cached, _request, _scheduler
-
-    params = {"disagg_spec": {"receiver_host": "127.0.0.1", "receiver_init_port": [7300]}}
-    for role, expect in [("sender", True), ("receiver", False)]:
-        extra = dict(pd_peer_host="127.0.0.1", pd_peer_init_port=7300) if role == "receiver" else {}
-        side = _scheduler(hit=0, enable_pd=True, pd_role=role, **extra)
-        req = _request(n=2 * CHUNK + 3, kv_transfer_params=params)
-        side.get_num_new_matched_tokens(req, 0)
-        side.update_state_after_alloc(req, None, 0)
-        out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"r": 2 * CHUNK + 3},
-                              scheduled_new_reqs=[_new_req(req, range(5))], scheduled_cached_reqs=_no_cached())
-        meta = side.build_connector_meta(out)
-        sent = [r for r in meta.requests if r.disagg_spec is not None]
-        assert bool(sent) == expect, role
-        if expect:
-            assert sent[0].disagg_spec.receiver_init_port == (7300,) and sent[0].num_tokens == 2 * CHUNK + 3
-    bad = _scheduler(hit=0, enable_pd=True, pd_role="sender")
-    req = _request(n=CHUNK, kv_transfer_params={"disagg_spec": {"receiver_host": ""}})
-    bad.update_state_after_alloc(req, None, 0)
-    out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"r": CHUNK},
-                          scheduled_new_reqs=[_new_req(req, range(2))], scheduled_cached_reqs=_no_cached())
-    assert all(r.disagg_spec is None for r in bad.build_connector_meta(out).requests), \
-        "a spec that cannot be read costs the transfer, not the request"
-
-
 def test_worker_sends_after_queuing_the_saves_with_the_requests_scope_and_waits(closing):
     from test_connector_glue import _config, _vllm_config
     from lmcache_triton.integration.vllm.specs import SaveSpec

@@ -91,9 +91,9 @@ def main() -> None:
             kv_connector_extra_config=spec["connector"],
             **({"engine_id": spec["engine_id"]} if spec.get("engine_id") else {}))
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+    llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True,
               max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, disable_log_stats=False,
-              seed=0, **spec.get("llm_args", {}), **kw)
+              seed=0, **({"enable_prefix_caching": False} | spec.get("llm_args", {})), **kw)
     results = {"start_s": time.perf_counter() - t0, "steps": []}
     for step in spec["steps"]:
         if "kill_pid" in step:

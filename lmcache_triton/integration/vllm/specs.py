@@ -1,6 +1,10 @@
-"""The scheduler's per-request state and the per-step metadata it sends to the workers.
+"""The vocabulary the scheduler side and the workers share: the specs, a request's tracker, the
+per-step metadata.
 
-Names and fields follow LMCache's vLLM adapter, so its users find what they know. The rules:
+Names and fields follow LMCache's vLLM adapter, so its users find what they know. What a step
+sends (`ReqMeta`, `LMCacheConnectorMetadata` and the specs in them) is frozen: the workers may read
+a step's metadata after the scheduler has built the next one. The rules that decide it are
+`step_plan.plan_step`'s:
 - a request's KV is saved in whole chunks as its prefill advances (chunked prefill included);
   the partial tail chunk only at the last prefill step and only with `save_unfull_chunk`;
 - decode tokens are saved only with `save_decode_cache`;
@@ -14,29 +18,42 @@ Names and fields follow LMCache's vLLM adapter, so its users find what they know
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:
+    # Without vLLM (the scheduler side's unit tests, a host that only reads this vocabulary) the
+    # metadata needs no base: vLLM's is an empty marker class, and nothing here uses it.
+    KVConnectorMetadata = object  # type: ignore[assignment,misc]
 
 from lmcache_triton.keys import ChunkHashes, MMSpan, TokenChain
 
+if TYPE_CHECKING:
+    from lmcache_triton.integration.vllm.step_plan import StepPlan
 
-@dataclass
+
+@dataclass(frozen=True)
 class LoadSpec:
+    """Load tokens [vllm_cached_tokens, lmcache_cached_tokens): vLLM's own prefix cache holds the
+    tokens before, lmcache_triton the tokens up to the end."""
+
     vllm_cached_tokens: int      # tokens vLLM already holds (its own prefix cache)
     lmcache_cached_tokens: int   # tokens lmcache_triton can load
     can_load: bool               # the scheduler allocated blocks for them
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveSpec:
     skip_leading_tokens: int     # already saved: store from here on
     can_save: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class DisaggSpec:
     """Where a prefill instance sends a request's KV: the proxy's `kv_transfer_params.disagg_spec`
     (LMCache's fields). `receiver_init_port` has one port per worker rank, or one base port
@@ -47,7 +64,7 @@ class DisaggSpec:
     receiver_init_port: tuple[int, ...] = ()
     receiver_alloc_port: tuple[int, ...] = ()  # LMCache's two-step transfer; unused here
     receiver_id: str = ""
-    is_last_prefill: bool = False    # set on the step that sends
+    is_last_prefill: bool = False    # the step that sends (the tracker keeps it: sent once)
     num_transferred_tokens: int = 0  # what the receiver holds, once sent
 
     @classmethod
@@ -153,6 +170,12 @@ class RequestTracker:
         if self.chain is not None:  # the ids were replaced: hash them anew (once; preemption is rare)
             self.chain = TokenChain(self.chain.chunk_size, self.chain.mm_spans)
 
+    def advance(self, plan: StepPlan) -> None:
+        """The values after a step whose message was built by `step_plan.plan_step` (and sent)."""
+        self.num_saved_tokens = plan.num_saved_tokens
+        self.verify_tokens = plan.verify_tokens
+        self.disagg_spec = plan.disagg_spec
+
     def chunk_hashes(self, end: int, start: int = 0) -> ChunkHashes:
         """The chain hashes of the spans of token_ids[:end] from the chunk holding `start` on; only
         chunks not hashed before are hashed."""
@@ -161,7 +184,7 @@ class RequestTracker:
         return self.chain.chunk_hashes(self.token_ids, end, start)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReqMeta:
     """One request's work in one step. It covers tokens [token_offset, num_tokens): the first chunk
     it saves, loads or verifies up to the last, never the prefix before (that is what makes a long
@@ -171,7 +194,7 @@ class ReqMeta:
     `token_ids` (then token_offset is 0)."""
 
     req_id: str
-    token_ids: list[int]         # ids of tokens [token_offset, num_tokens); empty when chunk_hashes are sent
+    token_ids: Sequence[int]     # ids of tokens [token_offset, num_tokens); empty when chunk_hashes are sent
     slot_mapping: torch.Tensor
     is_last_prefill: bool = False
     save_spec: SaveSpec | None = None
@@ -180,7 +203,7 @@ class ReqMeta:
     request_configs: dict | None = None
     namespace: str = ""
     adapter: str = ""
-    mm_spans: list[MMSpan] | None = None
+    mm_spans: Sequence[MMSpan] | None = None
     verify_tokens: int = 0  # compare the stored chunks of tokens [0, verify_tokens) with the computed KV
     token_offset: int = 0
     chunk_hashes: ChunkHashes | None = None  # of the spans of tokens [0, num_tokens), from token_offset
@@ -213,101 +236,18 @@ class ReqMeta:
                              f"[{self.token_offset}, {self.num_tokens})")
         return self.slot_mapping[start - self.token_offset:end - self.token_offset]
 
-    @classmethod
-    def from_request_tracker(cls, tracker: RequestTracker, block_size: int, chunk_size: int, *,
-                             load_spec: LoadSpec | None = None, save_unfull_chunk: bool = False,
-                             save_decode_cache: bool = False, whole_prompt_only: bool = False) -> ReqMeta | None:
-        """What the workers must do for this request in this step; None when nothing.
 
-        `whole_prompt_only` (CacheBlend): segments end at separators, not chunk boundaries, so the
-        prompt is saved once, at its last prefill step."""
-        num_tokens = len(tracker.token_ids)
-        is_last_prefill = num_tokens >= tracker.prompt_len
-        # Save when the new tokens complete a chunk past what is saved (or finish the prefill).
-        next_boundary = (tracker.num_saved_tokens // chunk_size + 1) * chunk_size
-        request_skip = bool((tracker.request_configs or {}).get("lmcache.skip_save", False))
-        skip_save = (
-            tracker.skip_save
-            or request_skip
-            or (tracker.is_decode_phase and not save_decode_cache)
-            or (num_tokens < next_boundary and not (is_last_prefill and save_unfull_chunk))
-            or (whole_prompt_only and not is_last_prefill)
-        )
-        verify_tokens = tracker.verify_tokens if num_tokens >= tracker.verify_tokens > 0 else 0
-        if verify_tokens:
-            tracker.verify_tokens = 0  # once
-        # Prefill/decode disaggregation: the step that completes the prompt sends all of it, loaded
-        # and locally cached tokens too (the receiver has none of them), once.
-        disagg = tracker.disagg_spec
-        send = (disagg is not None and is_last_prefill and not tracker.is_decode_phase
-                and not disagg.is_last_prefill)
-        if send:
-            disagg.is_last_prefill = True
-            # a copy: the workers may read this step's metadata after the scheduler built the next
-            disagg = replace(disagg, is_last_prefill=True)
-        if skip_save and load_spec is None and not verify_tokens and not send:
-            return None
-        if is_last_prefill and save_unfull_chunk and not tracker.is_decode_phase:
-            num_to_save = num_tokens
-        else:  # mid-prefill a partial chunk would be saved again once it fills: keep whole chunks only
-            num_to_save = num_tokens // chunk_size * chunk_size
-        save_spec = SaveSpec(skip_leading_tokens=tracker.num_saved_tokens, can_save=not skip_save)
-        if not skip_save:
-            tracker.num_saved_tokens = max(tracker.num_saved_tokens, num_to_save)
-
-        loading = load_spec is not None and load_spec.can_load
-        end = min(max(num_to_save, verify_tokens, load_spec.lmcache_cached_tokens if loading else 0,
-                      num_tokens if send else 0), num_tokens)
-        use_chain = tracker.chain is not None and not whole_prompt_only
-        if use_chain:  # from the first chunk this step saves, loads or verifies
-            starts = [save_spec.skip_leading_tokens] if save_spec.can_save else []
-            if loading:
-                starts.append(load_spec.vllm_cached_tokens)
-            if verify_tokens or send:
-                starts.append(0)
-            start = min(min(starts, default=end), end) // chunk_size * chunk_size
-        else:
-            start = 0
-        return cls(
-            req_id=tracker.req_id,
-            token_ids=[] if use_chain else tracker.token_ids[:end],
-            slot_mapping=_slots(tracker.allocated_block_ids, block_size, start, end),
-            is_last_prefill=is_last_prefill,
-            save_spec=save_spec,
-            load_spec=load_spec,
-            disagg_spec=disagg if send else None,
-            request_configs=tracker.request_configs,
-            namespace=tracker.namespace,
-            adapter=tracker.adapter,
-            mm_spans=mm_spans(tracker.mm_hashes, tracker.mm_positions),
-            verify_tokens=verify_tokens,
-            token_offset=start,
-            chunk_hashes=tracker.chunk_hashes(end, start) if use_chain else None,
-        )
-
-
-def _slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
-    """The slots of tokens [start, end) in the request's blocks. Never raises in vLLM's scheduler:
-    tokens without a block get slot -1 (padding, which no kernel touches); the worker loads and
-    saves only tokens that have a slot."""
-    first = start // block_size
-    blocks = torch.tensor(block_ids[first:-(-end // block_size)], dtype=torch.long)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
-    slots = slots[start - first * block_size:end - first * block_size]
-    if len(slots) < end - start:
-        slots = torch.cat([slots, slots.new_full((end - start - len(slots),), -1)])
-    return slots
-
-
-@dataclass
+@dataclass(frozen=True)
 class LMCacheConnectorMetadata(KVConnectorMetadata):
     """One scheduler step: what to load and save per request, which requests were looked up
     (their lookup reservations are released by the workers once this step's loads are done), and
-    which vLLM preempted (their blocks are free again: the workers finish their queued saves first)."""
+    which vLLM preempted (their blocks are free again: the workers finish their queued saves first).
+    Its sequences are tuples: a list handed in is copied, so the sender's later changes never reach it."""
 
-    requests: list[ReqMeta] = field(default_factory=list)
-    lookup_requests_in_step: list[str] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
+    requests: tuple[ReqMeta, ...] = ()
+    lookup_requests_in_step: tuple[str, ...] = ()
+    preempted_req_ids: tuple[str, ...] = ()
 
-    def add_request(self, req_meta: ReqMeta) -> None:
-        self.requests.append(req_meta)
+    def __post_init__(self) -> None:
+        for name in ("requests", "lookup_requests_in_step", "preempted_req_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))

