@@ -1,5 +1,6 @@
 """The connector's worker side: a coordinator that answers vLLM's worker calls with its parts.
 
+- rank_engine.py: the engine (and CacheBlend's blender) a rank builds over vLLM's caches;
 - paged.py: the engine and vLLM's paged cache, shared by every part;
 - loading.py: loads before (layerwise: beside) the forward, and the blocks that did not load;
 - saving.py (saver.py's thread): the step's stores, off the forward path unless layerwise;
@@ -27,20 +28,18 @@ import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine.engine import LMCacheEngineBuilder
-from lmcache_triton.engine.gpu_connector import create_gpu_connector
-from lmcache_triton.integration.vllm.common import cpu_blocks_opaque, engine_id, is_cpu_platform, kv_identity, world_size
+from lmcache_triton.integration.vllm.common import cpu_blocks_opaque, engine_id, is_cpu_platform
 from lmcache_triton.integration.vllm.inflight import InFlightRequests
 from lmcache_triton.integration.vllm.loading import Loader, LoadErrors
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
 from lmcache_triton.integration.vllm.offload_server import ZMQOffloadServer
 from lmcache_triton.integration.vllm.offload_store import OffloadStore
-from lmcache_triton.integration.vllm.paged import PagedKV, adapt_kv_caches
+from lmcache_triton.integration.vllm.paged import PagedKV
 from lmcache_triton.integration.vllm.pd import PDReceiver, PDSender, rank_port
+from lmcache_triton.integration.vllm.rank_engine import build_rank_engine
 from lmcache_triton.integration.vllm.saving import Saving, nothing_to_store
 from lmcache_triton.integration.vllm.verification import verify_request
-from lmcache_triton.kernels import kv_geometry
 from lmcache_triton.metadata import LMCacheEngineMetadata
-from lmcache_triton.observability import prometheus
 
 if TYPE_CHECKING:
     from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata
@@ -83,46 +82,16 @@ class WorkerSide:
 
     def set_up(self, kv_caches: dict[str, torch.Tensor], *, rank: int, cpu_backend: bool,
                blocks_opaque: bool) -> None:
-        """`register_kv_caches` once it asked vLLM for this worker's rank and platform: the engine,
-        CacheBlend's parts and the servers this rank runs."""
-        model_config = self.vllm_config.model_config
-        layout, kvcaches = adapt_kv_caches(list(kv_caches.values()), use_mla=model_config.use_mla,
-                                           cpu_backend=cpu_backend)
-        geo = kv_geometry(kvcaches[0], layout)
-        chunk = self.config.chunk_size
-        if blocks_opaque and chunk % geo.block_size:
-            raise ValueError(
-                f"lmcache chunk_size={chunk} must be a multiple of vLLM's block_size={geo.block_size} on the CPU "
-                "backend (it moves whole blocks): set lmcache.chunk_size or --block-size accordingly")
-        metadata = LMCacheEngineMetadata(
-            model_name=str(model_config.model), world_size=world_size(self.vllm_config), worker_id=rank,
-            kv_dtype=kvcaches[0].dtype,
-            kv_shape=(len(kvcaches), 1 if geo.use_mla else 2, chunk, geo.num_kv_heads, geo.head_size),
-            use_mla=geo.use_mla,
-            # AMX blocks hold K in another (unverified) order than the "vec" blocks: never mixed.
-            kv_identity=kv_identity(self.vllm_config, f"{layout}-amx" if blocks_opaque else layout))
-        connector = create_gpu_connector(self.config, metadata, layout, device=kvcaches[0].device)
-        self.paged.kvcaches = kvcaches
-        self.saving.on_device(kvcaches[0].device)
+        """`register_kv_caches` once it asked vLLM for this worker's rank and platform: the engine
+        (rank_engine.py), the parts that use it, and the servers this rank runs."""
         self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
-        mode = model = None
-        if self.config.enable_blending:
-            from lmcache_triton.blend.mode import blend_cache_mode
-            from lmcache_triton.integration.vllm.model_hook import model_for_blending
-
-            model = model_for_blending(blocks_opaque)
-            mode = blend_cache_mode(model_config, self.config, metadata, model, connector)
-        self.paged.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.config, metadata, connector, mode)
-        prometheus.export(self.engine, self.config.prometheus_port)
-        if model is not None:
-            from lmcache_triton.blend import LMCBlenderBuilder
-
-            self.loader.blender = LMCBlenderBuilder.get_or_create(self.instance_id, self.engine, connector,
-                                                                  self.config, model=model)
-            self.saving.blending = True
-        self._start_servers(metadata, rank, num_slots=geo.num_blocks * geo.block_size)
-        logger.info("lmcache_triton worker ready: %d layers, layout %s, block_size %d", len(kvcaches), layout,
-                    geo.block_size)
+        built = build_rank_engine(self.vllm_config, self.config, kv_caches, instance_id=self.instance_id, rank=rank,
+                                  cpu_backend=cpu_backend, blocks_opaque=blocks_opaque)
+        self.paged.engine, self.paged.kvcaches = built.engine, built.kvcaches
+        self.saving.on_device(built.kvcaches[0].device)
+        self.loader.blender = built.blender
+        self.saving.blending = built.blender is not None
+        self._start_servers(built.metadata, rank, built.num_slots)
 
     def _start_servers(self, metadata: LMCacheEngineMetadata, rank: int, num_slots: int) -> None:
         config, eid = self.config, engine_id(self.vllm_config)
