@@ -199,7 +199,9 @@ def test_layerwise_generators_step_one_layer_at_a_time():
     assert torch.all(paged_gather(dst[1:], slots, "vllm_cpu") == 0), "layer 1 is not loaded yet"
     for _ in range(LAYERS - 1):
         assert next(retriever) is None
-    assert next(retriever).all()
+    with pytest.raises(StopIteration) as end:
+        next(retriever)
+    assert end.value.value.all(), "the generator returns the mask of loaded tokens"
     assert torch.equal(paged_gather(dst, slots, "vllm_cpu"), paged_gather(src, slots, "vllm_cpu"))
     assert engine.storage_manager.cpu.num_held == 0, "a finished load leaves nothing held"
 

@@ -63,6 +63,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+def run_steps(gen):
+    """(what each step yielded, the generator's return value): a layerwise load's steps and its mask."""
+    steps = []
+    while True:
+        try:
+            steps.append(next(gen))
+        except StopIteration as end:
+            return steps, end.value
+
+
 def check_paged(layout, src, src_slots, dst, dst_slots, caches):
     """dst holds src's tokens at dst_slots; every other slot still holds the sentinel."""
     assert torch.equal(bits(paged_gather_ref(dst, dst_slots, layout)), bits(paged_gather_ref(src, src_slots, layout)))
@@ -87,9 +97,8 @@ def test_round_trip(kind, layout, order, device):
     if kind == "v2":
         ret = engine.retrieve(tokens, kvcaches=dst, slot_mapping=dst_slots)
     else:
-        steps = list(engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots))
-        assert steps[:-1] == [None] * LAYERS
-        ret = steps[-1]
+        steps, ret = run_steps(engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots))
+        assert steps == [None] * LAYERS
     assert bool(ret.all())
     check_paged(layout, src, src_slots, dst, dst_slots, caches)
 
@@ -115,7 +124,9 @@ def test_buffer_holds_the_layer_and_flushes_it(layout, order, device):
         # not flushed yet: the paged cache is all sentinel
         assert bool((paged_gather_layer_ref(dst[layer], torch.arange(BLOCKS * BLOCK), layout) == SENTINEL).all())
         connector.flush_layer_to_paged(layer, dst_slots, dst)
-    assert bool(next(gen).all())
+    with pytest.raises(StopIteration) as end:
+        next(gen)
+    assert bool(end.value.value.all()), "the generator returns the mask of loaded tokens"
     check_paged(layout, src, src_slots, dst, dst_slots, caches)
     with pytest.raises(ValueError, match="slot_mapping"):
         connector.flush_layer_to_paged(LAYERS - 1, dst_slots[:-1], dst)
@@ -197,8 +208,8 @@ def test_a_layerwise_store_and_load_is_one_launch_per_layer(monkeypatch):
     assert engine.store(tokens, kvcaches=src, slot_mapping=src_slots) == n
     assert [count for _, count in launches] == [n] * LAYERS, "one launch per layer, all five chunks"
     launches.clear()
-    steps = list(engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots))
-    assert bool(steps[-1].all()) and [count for _, count in launches] == [n] * LAYERS
+    _, ret = run_steps(engine.retrieve_layer(tokens, kvcaches=dst, slot_mapping=dst_slots))
+    assert bool(ret.all()) and [count for _, count in launches] == [n] * LAYERS
     check_paged("flash_attn", src, src_slots, dst, dst_slots, caches)
 
 

@@ -114,10 +114,14 @@ class RetrieverKVSource:
         paged_scatter_layer(kv.permute(1, 0, 2), self.kvcaches[layer], self.slot_mapping, self.connector.layout)
 
     def finish(self) -> None:
-        """Drains the retriever: releases the storage holds and records the hit in the stats."""
-        for out in self._retriever:
-            if out is not None:
-                self.ret_mask = out
+        """Drains the retriever: releases the storage holds and records the hit in the stats; its
+        return value is the mask of loaded tokens."""
+        while True:
+            try:
+                next(self._retriever)
+            except StopIteration as stop:
+                self.ret_mask = stop.value
+                return
 
 
 def segment_positions(num_tokens: int, ranges: Sequence[tuple[int, int]], device: torch.device | str = "cpu"

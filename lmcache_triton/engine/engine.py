@@ -323,9 +323,9 @@ class LMCacheEngine:
 
     # ---- the retrieve loop ---------------------------------------------------------------------
     def _retrieve_steps(self, tokens: TokensOrCount, mask: torch.Tensor | None, target: KVTarget,
-                        scope: KeyScope) -> Generator[torch.Tensor | None, None, None]:
+                        scope: KeyScope) -> Generator[None, None, torch.Tensor]:
         """Loads the stored chunks of `tokens` (the longest prefix in prefix mode), one connector
-        step per `next()` (yielding None), then yields the bool mask of loaded tokens."""
+        step per `next()`; returns the bool mask of loaded tokens (StopIteration.value)."""
         t0 = time.perf_counter()
         self._quiet_prefault()
         steps = self.gpu_connector.steps
@@ -371,31 +371,29 @@ class LMCacheEngine:
         hit = int(ret_mask.sum())
         self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
                                        time.perf_counter() - t0)
-        yield ret_mask
+        return ret_mask
 
     @torch.inference_mode()
     def retrieve(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *, kvcaches: Sequence[torch.Tensor],
                  slot_mapping: torch.Tensor, offset: int = 0, **scope: Unpack[KeyScopeArgs]) -> torch.Tensor:
         """Loads the longest stored prefix into the paged cache; returns a bool mask of loaded tokens."""
-        out = None
-        for out in self._retrieve_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
-                                        _scope(scope)):
-            pass
-        return out
+        return _drain(self._retrieve_steps(tokens, mask, self._target(kvcaches, slot_mapping, offset),
+                                           _scope(scope)))
 
     def retrieve_layer(self, tokens: TokensOrCount, mask: torch.Tensor | None = None, *,
                        kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, offset: int = 0,
                        write_paged: bool = True,
-                       **scope: Unpack[KeyScopeArgs]) -> Generator[torch.Tensor | None, None, None]:
+                       **scope: Unpack[KeyScopeArgs]) -> Generator[None, None, torch.Tensor]:
         """`retrieve` as a generator for the layerwise connectors: yields None after each layer is
-        loaded (layer 0 first), then the mask. vLLM's worker calls `next()` before the forward and
-        once per `wait_for_layer_load`. `write_paged=False` (the blender) leaves the KV in the
-        buffer connector's layer buffer."""
+        loaded (layer 0 first) and returns the mask of loaded tokens when it ends (StopIteration.value,
+        or `yield from`): a step and the result never look alike. vLLM's worker calls `next()`
+        before the forward and once per `wait_for_layer_load`. `write_paged=False` (the blender)
+        leaves the KV in the buffer connector's layer buffer."""
         if not self.layerwise:
             raise RuntimeError("retrieve_layer needs a layerwise GPU connector (config use_layerwise: true)")
         target = self._target(kvcaches, slot_mapping, offset, write_paged)
         with torch.inference_mode():
-            yield from self._retrieve_steps(tokens, mask, target, _scope(scope))
+            return (yield from self._retrieve_steps(tokens, mask, target, _scope(scope)))
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, tokens: TokensOrCount, reserve: bool = False, *, lookup_id: str | None = None,

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vl
 from lmcache_triton import LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector  # noqa: E402
 from lmcache_triton.engine.engine import LMCacheEngine  # noqa: E402
 from lmcache_triton.integration.vllm.pd import PDReceiver, PDSender, rank_port  # noqa: E402
-from lmcache_triton.integration.vllm.specs import DisaggSpec, LMCacheConnectorMetadata, ReqMeta, RequestTracker  # noqa: E402
+from lmcache_triton.integration.vllm.specs import DisaggSpec, LMCacheConnectorMetadata, ReqMeta  # noqa: E402
 from lmcache_triton.kernels import paged_gather_ref  # noqa: E402
 from lmcache_triton.keys import TokenChain  # noqa: E402
 from lmcache_triton.server.wire import Command, Status  # noqa: E402

@@ -27,6 +27,21 @@ def loaded_model() -> Any | None:
     return _model() if _model is not None else None
 
 
+def model_for_blending(blocks_opaque: bool) -> Any:
+    """The model CacheBlend runs layer by layer; raises at start, not at the first request, when
+    that cannot work (`blocks_opaque`: vLLM's CPU backend on AMX, whose K layout is unverified)."""
+    if blocks_opaque:
+        raise RuntimeError("lmcache_triton: enable_blending is not supported by vLLM's CPU backend on AMX CPUs")
+    model = loaded_model()
+    if model is None:
+        raise RuntimeError(
+            "lmcache_triton: enable_blending needs the loaded model, which the lmcache_triton vLLM plugin "
+            "captures from the model runner's load_model. It did not run: install lmcache-triton in vLLM's "
+            "environment (its vllm.general_plugins entry point), keep VLLM_PLUGINS unset or include "
+            "'lmcache_triton', and on vLLM 0.33 CUDA use the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+    return model
+
+
 def _wrap(cls: type) -> None:
     original = cls.__dict__.get("load_model")
     if original is None or getattr(original, "_lmcache_triton_hook", False):

@@ -7,8 +7,8 @@ asks the prefiller for one token, with `kv_transfer_params.disagg_spec` naming t
 listener, then sends the request unchanged to the decoder, whose lookup finds the prompt's chunks in
 its CPU tier and loads all but the last token.
 
-- Sender (`PDSender`): at a request's last prefill step the worker sends every chunk of the prompt,
-  the partial last one too, to the receiver rank with its own rank, and waits. So the transfer is
+- Sender (`PDSender.send_request`): at a request's last prefill step the worker sends every chunk
+  of the prompt, the partial last one too, to the receiver rank with its own rank, and waits. So the transfer is
   over before the prefill's reply leaves, and the proxy needs no notification (LMCache's
   pd_proxy_host/port are ignored). A chunk the receiver already holds is not sent again (one
   EXISTS each: a chat's earlier rounds cross once).
@@ -35,9 +35,9 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmcache_triton.integration.vllm.specs import DisaggSpec
+from lmcache_triton.integration.vllm.paged import PagedKV, tokens_with_slots
 from lmcache_triton.keys import CacheEngineKey
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.server import wire
@@ -45,6 +45,10 @@ from lmcache_triton.server.cache_server import CacheServer, ServerConfig
 from lmcache_triton.server.wire import Command, Limits, Status
 from lmcache_triton.storage import serde
 from lmcache_triton.storage.manager import StorageManager
+
+if TYPE_CHECKING:
+    from lmcache_triton.integration.vllm.saving import Saving
+    from lmcache_triton.integration.vllm.specs import DisaggSpec, ReqMeta
 
 logger = logging.getLogger("lmcache_triton")
 
@@ -174,6 +178,29 @@ class PDSender:
                 *address, self.metadata, compression=self.compression, timeout_s=self.timeout_s,
                 auth_token=self.auth_token)
         return peer
+
+    def send_request(self, req: ReqMeta, paged: PagedKV, saving: Saving) -> None:
+        """Sends the request's prompt to the receiver its disagg spec names and waits, so the
+        transfer is over before the prefill's reply leaves (in turn with the saves: the chunks this
+        step's save is storing are then sent as stored). Never raises: a failed send is the
+        decoder's miss."""
+        spec = req.disagg_spec
+        if spec is None:
+            return
+        try:
+            n = tokens_with_slots(req)
+            if req.token_offset or n <= 0:
+                return
+            tokens, kw = paged.move_args(req, 0, n)
+            peer = self.peer(spec)
+            # a send waits at most its chunks' timeouts: bound the wait by the same, generously
+            held = saving.in_turn(req.req_id, lambda: paged.engine.send(tokens, to=peer, **kw),
+                                  timeout=self.timeout_s * 4 + 30, what=f"sending request {req.req_id} to {peer.url}")
+            log = logger.debug if held >= n else logger.warning
+            log("lmcache_triton: request %s: the decoder at %s holds %d of its %d prompt tokens", req.req_id,
+                peer.url, held, n)
+        except Exception:
+            logger.exception("lmcache_triton: sending request %s to its decoder failed", req.req_id)
 
     def close(self) -> None:
         for peer in self._peers.values():
