@@ -30,7 +30,7 @@ redis-server:
 		|| (apt-get update -qq && apt-get install -y -qq redis-server redis-tools >/dev/null) \
 		|| echo "redis-server / redis-tools could not be installed: the Redis tests will be skipped"
 
-# tests/integration/test_prometheus_e2e.py starts a real Prometheus (Debian's package); without one it skips.
+# tests/e2e/test_prometheus_e2e.py starts a real Prometheus (Debian's package); without one it skips.
 prometheus:
 	@command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
 		|| echo "prometheus could not be installed: the Prometheus test will be skipped"

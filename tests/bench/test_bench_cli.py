@@ -143,7 +143,7 @@ def test_compare_packed_workload_on_our_engine_round_trips():
     assert all(isinstance(out[k], float) for k in ("store_gbps", "retrieve_gbps", "lookup_ms", "store_first_gbps"))
 
 
-_LMCACHE_PY = Path(__file__).resolve().parent.parent / ".bench-venvs" / "lmcache-0.5.6" / "bin" / "python"
+_LMCACHE_PY = Path(__file__).resolve().parents[2] / ".bench-venvs" / "lmcache-0.5.6" / "bin" / "python"
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import torch
 
 from lmcache_triton.tools.models import SMOKE_RECIPE, stdlib_corpus, train_llama, trained_model_dir, trained_model_info
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

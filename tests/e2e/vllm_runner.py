@@ -30,7 +30,7 @@ def corrupt_dir(path: str) -> int:
 
 
 def fault_step(llm, step: dict) -> dict | None:
-    """The fault-injection steps (tests/integration/test_faults_e2e.py); None for any other step.
+    """The fault-injection steps (tests/e2e/test_faults_e2e.py); None for any other step.
     {"sigstop_pid": pid} | {"sigcont_pid": pid} | {"sleep": s} | {"truncate_files": [paths]}
     | {"list_dir": path, "min_files": n}: the chunk files there, once >= n exist (waits <= 10 s)
     | {"touch": path} | {"wait_file": path, "timeout": s}: another process acts in between

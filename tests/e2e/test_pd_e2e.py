@@ -23,7 +23,7 @@ import pytest
 
 from lmcache_triton.tools.models import random_prompt
 from lmcache_triton.tools.testing import stop_session
-from test_openai_serve import _get, _wait_for
+from test_openai_serve_e2e import _get, _wait_for
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 2  # the tiny Llama: 2 layers, K and V, 2 KV heads x 32, bf16

@@ -1,4 +1,4 @@
-"""Misbehaving peers of the cache server protocol, for tests/integration/test_faults_e2e.py.
+"""Misbehaving peers of the cache server protocol, for tests/e2e/test_faults_e2e.py.
 
     python fault_servers.py garbage --port P --stats FILE [--huge-mb 8] [--max-lifetime 600]
     python fault_servers.py slow-reader --port P --ready FILE [--values 8] [--value-mb 2] [--gets 600]

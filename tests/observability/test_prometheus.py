@@ -68,7 +68,7 @@ def test_metrics_scrape_reflects_engine_activity():
 
 
 def _documented() -> set[str]:
-    page = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
     section = page.split("\n## The metrics\n", 1)[1].split("\n## ", 1)[0]
     return set(re.findall(r"^\| `(lmcache_triton_[a-z_]+)` \|", section, re.MULTILINE))  # the table's rows
 

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation below vLLM: a real sender engine sends chunks over TCP to a real
 receiver (its listener and engine), and the scheduler and worker glue that drives them. The
-deployment with vLLM and the proxy is test_pd_e2e.py."""
+deployment with vLLM and the proxy is tests/e2e/test_pd_e2e.py."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def test_rank_ports_and_disagg_specs_from_the_proxy():
 
 # ---- the glue -------------------------------------------------------------------------------------
 def test_worker_sends_after_queuing_the_saves_with_the_requests_scope_and_waits(closing):
-    from test_connector_glue import _config, _vllm_config
+    from test_connector import _config, _vllm_config
     from lmcache_triton.integration.vllm.specs import SaveSpec
     from lmcache_triton.integration.vllm.worker import WorkerSide
 
