@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from leak_check import LeakTracker, report
+from leak_check import LeakTracker, report  # tests/ is on sys.path (no __init__.py)
 
 REPO = Path(__file__).resolve().parents[1]
 _START_TIMEOUT_S = 10.0
