@@ -1,4 +1,6 @@
-"""Shared fixtures: free loopback ports, a cache server subprocess, a redis-server subprocess.
+"""Shared fixtures: free loopback ports, a cache server subprocess, a redis-server subprocess; and
+the leak check: the run fails when the project's code leaves a thread or ZMQ socket open
+(leak_check.py says how they are told from vLLM's, torch's and pytest's own).
 
 The servers are real processes on 127.0.0.1, started per test and killed after it. The factories
 (`start_cache_server`, `start_redis_server`) let a test kill and restart a server on the same port.
@@ -21,8 +23,44 @@ from typing import Any
 
 import pytest
 
+from leak_check import LeakTracker, report  # tests/ is on sys.path (no __init__.py)
+
 REPO = Path(__file__).resolve().parents[1]
 _START_TIMEOUT_S = 10.0
+_leaks = LeakTracker()
+_leak_report = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    _leaks.install()  # historic: called for this conftest even when pytest loads it after the start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """What the test opens (its fixtures' setup and teardown included) is reported under its name."""
+    _leaks.current_test = item.nodeid
+    yield
+    _leaks.current_test = "(after the tests: a fixture's teardown)"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """The leak check's verdict: the run fails (exit status 1) when a thread or ZMQ socket the
+    project opened is still open once every fixture is torn down. Here and not in a session
+    fixture's teardown: that runs inside the last test's teardown, while pytest still holds that
+    test's log records, whose tracebacks keep alive the objects (and threads) of the test's frames,
+    so the verdict would depend on which test ran last."""
+    leaks = _leaks.leaks()
+    _leaks.uninstall()
+    if leaks:
+        session.config.stash[_leak_report] = report(leaks)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if (text := config.stash.get(_leak_report, None)) is not None:
+        terminalreporter.section("leaked threads and ZMQ sockets", sep="=", red=True, bold=True)
+        terminalreporter.line(text, red=True)
 
 
 def _free_port() -> int:

