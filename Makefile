@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,cpu
 PYTEST_ARGS ?=
+# Two test processes, each taking whole files (module fixtures are built once): most of the suite
+# waits on vLLM and server subprocesses, so two share the 2-core CI host's cores (measured: see
+# docs/development.md). PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
@@ -36,7 +40,7 @@ prometheus:
 		|| echo "prometheus could not be installed: the Prometheus test will be skipped"
 
 test: install redis-server prometheus
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/lmcache-triton demo

@@ -33,6 +33,12 @@ _leak_report = pytest.StashKey[str]()
 
 def pytest_configure(config):
     _leaks.install()  # historic: called for this conftest even when pytest loads it after the start
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        # Each xdist worker its own temp folder: the lookup and offload servers' IPC endpoints are
+        # named by vLLM engine id and rank in it (integration/vllm/common.py: ipc_path), and the
+        # glue's tests use a fixed engine id. Subprocesses inherit it through TMPDIR.
+        os.environ["TMPDIR"] = tempfile.tempdir = tempfile.mkdtemp(prefix=f"lmct-{worker}-")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -52,9 +58,22 @@ def pytest_sessionfinish(session):
     so the verdict would depend on which test ran last."""
     leaks = _leaks.leaks()
     _leaks.uninstall()
-    if leaks:
-        session.config.stash[_leak_report] = report(leaks)
+    text = (report(leaks) if leaks else "") + session.config.stash.get(_leak_report, "")
+    if text:
+        session.config.stash[_leak_report] = text
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if hasattr(session.config, "workeroutput"):  # an xdist worker: its controller decides the run's status
+            session.config.workeroutput["leaks"] = text
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(tempfile.gettempdir(), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller, as each worker ends: its leaks fail the run (a worker's exit status does not)."""
+    text = getattr(node, "workeroutput", {}).get("leaks")
+    if text:
+        node.config.stash[_leak_report] = node.config.stash.get(_leak_report, "") + text
 
 
 def pytest_terminal_summary(terminalreporter, config):
