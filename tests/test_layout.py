@@ -142,3 +142,40 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch) ->
         test_no_import_cycles()
     with pytest.raises(AssertionError, match="storage.tier .floor 1. imports lmcache_triton.engine.engine"):
         test_floors_import_only_downwards()
+
+
+# ---- rooms of one concern ------------------------------------------------------------------------
+MAX_MODULE_LINES = 700   # a file a newcomer can read in one sitting
+MAX_WORKER_CLASS_LINES = 200  # the worker side coordinates; its parts own the work
+
+
+def test_no_module_is_over_the_size_a_reader_can_hold() -> None:
+    long = sorted(f"{p.relative_to(ROOT.parent)}: {n} lines" for p in ROOT.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES)
+    assert not long, f"over {MAX_MODULE_LINES} lines: split by concern\n" + "\n".join(long)
+
+
+def test_the_worker_side_classes_stay_small() -> None:
+    """The worker side is a coordinator over loading, saving, PD, verification and offload rooms
+    (docs/vllm-integration.md): none of its classes grows back into the one that did everything."""
+    glue = ROOT / "integration" / "vllm"
+    big = []
+    for path in glue.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_WORKER_CLASS_LINES:
+                big.append(f"{path.name}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    assert not big, "\n".join(big)
+
+
+def test_the_glue_imports_vllm_only_in_the_connector_class() -> None:
+    """vLLM imports our plugin in every process, and the glue's unit tests run without vLLM: only
+    connector.py (vLLM's base class) imports vllm at module level."""
+    glue = ROOT / "integration" / "vllm"
+    offenders = []
+    for path in glue.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only; functions import lazily
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "vllm" or n.startswith("vllm.") for n in names) and path.name != "connector.py":
+                offenders.append(f"{path.relative_to(ROOT.parent)}: {', '.join(names)}")
+    assert not offenders, "\n".join(offenders)
