@@ -111,6 +111,7 @@ class RemoteChunkBackend(StorageBackend):
             if time.monotonic() < self._down_until:
                 self._stats.skipped_unavailable += 1
                 return False, None
+        started = time.monotonic()
         try:
             result = fn()
         except passthrough:
@@ -119,7 +120,11 @@ class RemoteChunkBackend(StorageBackend):
             with self._lock:
                 self._stats.errors += 1
                 if isinstance(e, RemoteUnavailable) or _is_connection_error(e):
-                    self._down_until = time.monotonic() + self._backoff
+                    # Skipped for at least as long as the failure cost: a remote that hangs until
+                    # the timeout (a frozen server or PD decoder) takes at most half of the callers'
+                    # time, where the 0.1 s back-off alone let every later request wait it out again.
+                    now = time.monotonic()
+                    self._down_until = now + max(self._backoff, now - started)
                     self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
                 first = not self._failing
                 self._failing = True

@@ -113,6 +113,27 @@ def test_frozen_server_costs_timeouts_not_hangs(cache_server, pool, make_chunk) 
     assert wait_until(lambda: b.get(key, pool.allocate) is not None)
 
 
+def test_a_frozen_server_is_skipped_for_as_long_as_its_timeout_cost(cache_server, pool, make_chunk) -> None:
+    """A call that waited out the whole timeout backs the remote off for at least that long: the
+    next caller, even one that comes after the 0.1 s minimum back-off, misses at once instead of
+    waiting the timeout again."""
+    b = backend_for(cache_server, timeout_s=1.0)
+    obj, key = make_chunk(pool, seed=6)
+    assert b.put(key, obj)
+    os.kill(cache_server.proc.pid, signal.SIGSTOP)  # connected, but never answers
+    try:
+        t = time.monotonic()
+        assert b.get(key, pool.allocate) is None
+        assert time.monotonic() - t >= 0.9, "the first call waits for the timeout"
+        time.sleep(0.3)  # past the minimum back-off
+        t = time.monotonic()
+        assert b.get(key, pool.allocate) is None
+        assert time.monotonic() - t < 0.3, "backed off: no second wait"
+    finally:
+        os.kill(cache_server.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: b.get(key, pool.allocate) is not None)
+
+
 def test_persisted_chunks_survive_server_restart(start_cache_server, tmp_path, pool, make_chunk) -> None:
     server = start_cache_server("--disk", str(tmp_path))
     b = backend_for(server)
