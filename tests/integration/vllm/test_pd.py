@@ -236,7 +236,7 @@ def test_rank_ports_and_disagg_specs_from_the_proxy():
 
 # ---- the glue -------------------------------------------------------------------------------------
 def test_worker_sends_after_queuing_the_saves_with_the_requests_scope_and_waits(closing):
-    from test_connector import _config, _vllm_config
+    from worker_stubs import config as _config, vllm_config as _vllm_config
     from lmcache_triton.integration.vllm.specs import SaveSpec
     from lmcache_triton.integration.vllm.worker import WorkerSide
 
