@@ -229,9 +229,12 @@ def test_demo_command(tiny_model, tmp_path):
                         *(["--plot", str(png)] if png else [])], capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = r.stdout.rstrip().splitlines()
-    assert lines[-5].startswith("== lmcache-triton demo: 1024-token prompt"), r.stdout[-2000:]
-    assert lines[-4].startswith("cold TTFT:") and lines[-3].startswith("warm TTFT:") and lines[-2].startswith("speedup:")
-    assert "(1023 tokens loaded" in lines[-3] and lines[-1] == "outputs match an uncached run: True"
+    assert lines[-6].startswith("== lmcache-triton demo: 1024-token prompt"), r.stdout[-2000:]
+    assert lines[-5].startswith("cold TTFT:") and lines[-4].startswith("warm TTFT:") and lines[-3].startswith("speedup:")
+    assert "(1023 tokens loaded" in lines[-4] and lines[-2] == "outputs match an uncached run: True"
+    from lmcache_triton.tools.compute_dtype import host_compute_dtype
+    assert lines[-1].startswith(f"dtype:     {host_compute_dtype().dtype} ("), \
+        "the summary says which dtype the host computes fastest, and why"
     assert not re.search(r"^(\(\w+ pid=\d+\) )?INFO ", r.stdout + r.stderr, re.M), "vLLM logs warnings only"
     if png:
         assert f"wrote {png}" in r.stdout and png.stat().st_size > 0
