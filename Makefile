@@ -40,7 +40,7 @@ prometheus:
 		|| echo "prometheus could not be installed: the Prometheus test will be skipped"
 
 test: install redis-server prometheus
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/lmcache-triton demo
