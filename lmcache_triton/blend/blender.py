@@ -116,12 +116,16 @@ class RetrieverKVSource:
     def finish(self) -> None:
         """Drains the retriever: releases the storage holds and records the hit in the stats; its
         return value is the mask of loaded tokens."""
-        while True:
-            try:
-                next(self._retriever)
-            except StopIteration as stop:
-                self.ret_mask = stop.value
-                return
+        self.ret_mask = _result_of(self._retriever)
+
+
+def _result_of(steps: Generator) -> Any:
+    """Runs a generator of steps to its end and returns its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def segment_positions(num_tokens: int, ranges: Sequence[tuple[int, int]], device: torch.device | str = "cpu"
@@ -242,12 +246,7 @@ class LMCBlender:
 
     def blend(self, tokens: torch.Tensor | Sequence[int], source: KVSource, **kwargs: Any) -> BlendResult:
         """`blend_layers` run to the end."""
-        gen = self.blend_layers(tokens, source, **kwargs)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+        return _result_of(self.blend_layers(tokens, source, **kwargs))
 
     def blend_request(self, tokens: torch.Tensor, *, kvcaches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                       positions: torch.Tensor | None = None, **retrieve_kwargs: Any) -> BlendResult:
