@@ -162,6 +162,19 @@ class LMCacheEngineConfig:
     enable_async_loading: bool = option(False, "Lookups answer 'not yet' instead of waiting for every "
                                                "rank; vLLM asks again at a later step.")
     lookup_timeout_ms: int = option(3000, "Scheduler-side lookup RPC timeout, ms.", gt=0)
+    load_policy: str = option(
+        "cost", "'cost': load a hit only where the measured cost of loading it (each tier's latency and "
+        "throughput) beats recomputing it (vLLM's measured prefill time) by load_margin, and stop a "
+        "load that overruns its deadline; 'always': load every hit.", choices=("cost", "always"), ours=True)
+    load_margin: float = option(
+        0.25, "load_policy cost: load when the estimated load time x (1 + load_margin) is at most the "
+        "estimated recompute time.", ge=0, ours=True)
+    load_deadline_factor: float = option(
+        2.0, "load_policy cost: a load stops once it runs this many times past its estimate (at least "
+        "50 ms past): what arrived is used, vLLM computes the rest.", ge=1, ours=True)
+    load_deadline_ms: float | None = option(
+        None, "An absolute limit on any load from a lower tier, ms (with either load_policy); None: "
+        "load_deadline_factor alone (and lookup_timeout_ms).", gt=0, ours=True)
     prometheus_port: int | None = option(
         None, "Each process serving an engine exports its lmcache_triton metrics on "
         "http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join "

@@ -21,13 +21,24 @@ import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine.gpu_connector import GPUConnectorInterface, KeyRotation, KVTarget
+from lmcache_triton.engine.load_policy import LOAD, RECOMPUTE, TIER_SLOW, ChunkAt, PrefillEstimate, decide
 from lmcache_triton.engine.reservations import LookupReservations
 from lmcache_triton.engine.token_database import ChunkedTokenDatabase, TokenDatabase, num_tokens
 from lmcache_triton.keys import CacheEngineKey, ChunkHashes, KeyScope, MMSpan
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability.stats import EngineSnapshot, LMCStatsMonitor
 from lmcache_triton.storage.base import StorageBackend
-from lmcache_triton.storage.manager import MISS_BLEND, MISS_CORRUPT, MISS_PARTIAL, MISS_REFUSED, StorageManager
+from lmcache_triton.storage.manager import (
+    CPU_TIER,
+    MISS_BLEND,
+    MISS_CORRUPT,
+    MISS_DEADLINE,
+    MISS_PARTIAL,
+    MISS_RECOMPUTE_CHEAPER,
+    MISS_REFUSED,
+    Hold,
+    StorageManager,
+)
 from lmcache_triton.storage.memory import MemoryObj
 
 if TYPE_CHECKING:
@@ -146,6 +157,9 @@ class LMCacheEngine:
                 raise ValueError("key_rotation (CacheBlend) needs a layerwise, non-MLA GPU connector")
         self.storage_manager = storage_manager or StorageManager(config, metadata)
         self.stats_monitor = LMCStatsMonitor()
+        # vLLM's forward time per token on this worker (the integration feeds it each step): what
+        # not loading a chunk costs (load_policy.py).
+        self.prefill = PrefillEstimate()
         self.reservations = LookupReservations(self.storage_manager.release, config.reservation_lease_secs)
         self._verify_logged: set[CacheEngineKey] = set()
         logger.info(
@@ -369,8 +383,10 @@ class LMCacheEngine:
                 for k, obj in zip(keys, objs):
                     self.storage_manager.release(k, obj)
         hit = int(ret_mask.sum())
-        self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(),
-                                       time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if hit:  # what a copy out of the CPU tier costs, for the next decision
+            self.storage_manager.cpu_cost.observe_transfer(hit * self.metadata.bytes_per_token(), seconds)
+        self.stats_monitor.on_retrieve(requested, hit, hit * self.metadata.bytes_per_token(), seconds)
         return ret_mask
 
     @torch.inference_mode()
@@ -397,12 +413,15 @@ class LMCacheEngine:
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, tokens: TokensOrCount, reserve: bool = False, *, lookup_id: str | None = None,
-               **scope: Unpack[KeyScopeArgs]) -> int:
-        """Length of the longest stored prefix of `tokens` (a chunk boundary, or the end of a saved
-        partial chunk); in segment mode, the tokens of the stored segments. With `reserve`, the
-        chunks it reports stay held in the CPU tier until `release_reservation(lookup_id)`, or at
-        most `reservation_lease_secs`, so the load that follows finds them. Missed tokens are
-        counted by why they missed. With `chunk_hashes` (from chunk 0) `tokens` may be their count."""
+               deadline: float | None = None, **scope: Unpack[KeyScopeArgs]) -> int:
+        """Length of the stored prefix of `tokens` worth loading (a chunk boundary, or the end of a
+        saved partial chunk): in prefix mode, the longest stored prefix cut where loading stops
+        beating recomputing (config load_policy; load_policy.py); in segment mode, the tokens of the
+        stored segments. With `reserve`, the chunks it reports stay held in the CPU tier until
+        `release_reservation(lookup_id)`, or at most `reservation_lease_secs`, so the load that
+        follows finds them: lower-tier chunks are read into it now, until the load's deadline (and
+        `deadline`, time.monotonic(), when the caller stops waiting). Missed tokens are counted by
+        why they missed. With `chunk_hashes` (from chunk 0) `tokens` may be their count."""
         t0 = time.perf_counter()
         key_scope = _scope(scope)
         if isinstance(tokens, int) and self.token_database.num_skipped(tokens, None, key_scope):
@@ -412,7 +431,7 @@ class LMCacheEngine:
         covered = self.token_database.cached_tokens(tokens)
         try:
             if self.prefix_chain:
-                hit, lease = self._lookup_prefix(tokens, key_scope, lease, misses, covered)
+                hit, lease = self._lookup_prefix(tokens, key_scope, lease, misses, covered, reserve, deadline)
             else:
                 hit, lease = self._lookup_segments(tokens, key_scope, lease, misses)
         finally:
@@ -425,35 +444,73 @@ class LMCacheEngine:
         self.stats_monitor.on_lookup(n, hit, time.perf_counter() - t0, misses)
         return hit
 
-    # Keys asked of the tiers at once by a prefix lookup: holds are recorded in the lease after
-    # each batch (a release during a slow lower tier then frees them), and a 128K-token prompt
-    # (512 chunks) takes a few calls, not one per chunk.
-    _LOOKUP_BATCH = 64
+    # The answer must reach the scheduler before it stops waiting: reads end this long before.
+    _ANSWER_MARGIN_S = 0.02
 
-    def _lookup_prefix(self, tokens: TokensOrCount, scope: KeyScope, lease, misses: Counter[str],
-                       covered: int) -> tuple[int, object]:
+    def _lookup_prefix(self, tokens: TokensOrCount, scope: KeyScope, lease, misses: Counter[str], covered: int,
+                       reserve: bool, deadline: float | None) -> tuple[int, object]:
+        started = time.monotonic()
         chunks = list(self._chunks(tokens, None, scope))
         if not chunks:
             return 0, lease
         steps = self.gpu_connector.steps  # objects per chunk: 1, or one per layer
-        keys = [key for _, _, key in chunks] if steps == 1 else \
-            [k for _, _, key in chunks for k in self._object_keys(key)]
-        found = 0
-        for b in range(0, len(keys), self._LOOKUP_BATCH):
-            batch = keys[b:b + self._LOOKUP_BATCH]
-            held: list | None = [] if lease is not None else None
-            n = self.storage_manager.contains(batch, io=True, prefix=True, hold_into=held)
-            if lease is not None and not self.reservations.add(lease, held):
-                lease = None  # released (timed out, aborted) while we looked: stop holding
-            found += n
-            if n < len(batch):
-                break
-        whole = found // steps
+        keys = [k for _, _, key in chunks for k in self._object_keys(key)]
+        sm = self.storage_manager
+        held: list[Hold] = []
+        located = sm.locate_prefix(keys, held)  # the CPU tier's part held, the lower tiers asked
+        whole = len(located) // steps
         if whole < len(chunks):  # the rest is unusable behind the first missing chunk
-            misses[self.storage_manager.miss_reason(keys[found])] += covered - chunks[whole][0]
+            misses[sm.miss_reason(keys[len(located)])] += covered - chunks[whole][0]
         elif chunks[-1][1] < covered:  # spans the precomputed hashes do not name: not asked
             misses[MISS_PARTIAL] += covered - chunks[-1][1]
-        return (chunks[whole - 1][1] if whole else 0), lease
+        tiers = [CPU_TIER] * located.held + located.lower
+        bytes_per_token = self.metadata.bytes_per_token()
+        found = [ChunkAt(tiers[(i + 1) * steps - 1], end - start, (end - start) * bytes_per_token, steps)
+                 for i, (start, end, _) in enumerate(chunks[:whole])]
+        c = self.config
+        plan = decide(found, sm.cost_of, self.prefill, policy=c.load_policy, margin=c.load_margin,
+                      deadline_factor=c.load_deadline_factor, deadline_ms=c.load_deadline_ms, cpu_tier=CPU_TIER)
+        k = plan.chunks
+        # CPU-tier holds past the chosen chunks go back now; the rest become the reservation.
+        for key, obj in held[k * steps:]:
+            sm.release(key, obj)
+        del held[k * steps:]
+        if not reserve:
+            for key, obj in held:
+                sm.release(key, obj)
+            held = []
+        elif lease is not None and not self.reservations.add(lease, held):
+            lease = None  # released (timed out, aborted) while we looked: stop holding
+        loaded = k
+        lower = keys[located.held:k * steps]
+        if reserve and lease is not None and lower:  # read the lower tiers' chunks into the CPU tier
+            until = None if plan.deadline_s is None else started + plan.deadline_s
+            if deadline is not None:
+                answer_by = deadline - self._ANSWER_MARGIN_S
+                until = answer_by if until is None else min(until, answer_by)
+            got: list[Hold] = []
+            n, late = sm.read_prefix(lower, got, deadline=until)
+            if not self.reservations.add(lease, got):
+                lease = None
+            loaded = (located.held + n) // steps
+            if late:
+                sm.cost_of(tiers[located.held + n]).deadline_missed()
+                self.stats_monitor.on_deadline_stop()
+            else:
+                for name in set(tiers[located.held:k * steps]):
+                    sm.cost_of(name).deadline_met()
+            if loaded < k:
+                misses[MISS_DEADLINE if late else MISS_CORRUPT] += chunks[k - 1][1] - chunks[loaded][0]
+        if k < whole:
+            misses[MISS_RECOMPUTE_CHEAPER] += chunks[whole - 1][1] - chunks[k][0]
+            if (plan.rest_reason or plan.reason) == TIER_SLOW:  # for the next request, out of this one's way
+                sm.promote_later(keys[k * steps:whole * steps])
+        if k:
+            self.stats_monitor.on_load_decision(LOAD, plan.reason, chunks[k - 1][1] - chunks[0][0])
+        if k < whole:
+            self.stats_monitor.on_load_decision(RECOMPUTE, plan.rest_reason or plan.reason,
+                                                chunks[whole - 1][1] - chunks[k][0])
+        return (chunks[loaded - 1][1] if loaded else 0), lease
 
     def _lookup_segments(self, tokens: Tokens, scope: KeyScope, lease, misses: Counter[str]) -> tuple[int, object]:
         hit = 0
@@ -520,7 +577,8 @@ class LMCacheEngine:
         self.reservations.reap()
         return EngineSnapshot(model=self.metadata.model_name, rank=self.metadata.worker_id,
                               stats=self.get_stats(), tiers=self.storage_manager.usage(),
-                              expired_reservations=self.reservations.expired_leases)
+                              expired_reservations=self.reservations.expired_leases,
+                              costs=self.storage_manager.costs(), prefill_seconds_per_token=self.prefill.per_token_s)
 
     def close(self) -> None:
         self.reservations.release_everything()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from lmcache_triton.storage.tier_stats import TierStats
+from lmcache_triton.storage.transfer_cost import TransferCost
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class LMCacheStats:
     lookup_misses: int = 0  # lookups that found none of their tokens (a request that missed entirely)
     # Tokens lookups did not find, by why (lmcache_triton.storage.manager.MISS_REASONS).
     miss_tokens: dict[str, int] = field(default_factory=dict)
+    # Load-or-recompute decisions (engine/load_policy.py): "decision/reason" -> lookups, and the
+    # tokens they covered. A lookup that loads part of its hit counts one of each.
+    load_decisions: dict[str, int] = field(default_factory=dict)
+    load_decision_tokens: dict[str, int] = field(default_factory=dict)
+    load_deadline_stops: int = 0  # loads cut short at their deadline (what arrived was used)
 
     @property
     def retrieve_hit_rate(self) -> float:
@@ -71,17 +77,25 @@ class EngineSnapshot:
     stats: LMCacheStats
     tiers: Mapping[str, TierStats]  # tier name -> its stats (`StorageManager.usage()`), CPU first
     expired_reservations: int  # lookup reservations released by their lease, not by a load
+    # What loading costs per tier now (`StorageManager.costs()`), and vLLM's prefill per token
+    # (None: not measured yet): what the load-or-recompute decision reads.
+    costs: Mapping[str, TransferCost] = field(default_factory=dict)
+    prefill_seconds_per_token: float | None = None
 
 
 # (operation, seconds, bytes moved or None): "lookup", "retrieve" or "store"
 Observer = Callable[[str, float, "int | None"], None]
 
 
+_MAPS = ("miss_tokens", "load_decisions", "load_decision_tokens")  # the stats fields that count by label
+
+
 class LMCStatsMonitor:
     """Thread-safe accumulators; `get_stats()` returns an immutable snapshot. An `observer`
     (set by an exporter) also sees each operation's time and bytes."""
 
-    _FIELDS = tuple(f for f in LMCacheStats.__dataclass_fields__ if f != "miss_tokens")
+    _MAPS = _MAPS
+    _FIELDS = tuple(f for f in LMCacheStats.__dataclass_fields__ if f not in _MAPS)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -91,7 +105,7 @@ class LMCStatsMonitor:
     def reset(self) -> None:
         with self._lock:
             self._values: dict[str, float] = {f: 0 for f in self._FIELDS}
-            self._misses: dict[str, int] = {}
+            self._maps: dict[str, dict[str, int]] = {m: {} for m in self._MAPS}
 
     def _add(self, **deltas: float) -> None:
         with self._lock:
@@ -108,10 +122,21 @@ class LMCStatsMonitor:
                   lookup_misses=0 if hit_tokens else 1)
         if misses:
             with self._lock:
+                counts = self._maps["miss_tokens"]
                 for reason, n in misses.items():
                     if n > 0:
-                        self._misses[reason] = self._misses.get(reason, 0) + n
+                        counts[reason] = counts.get(reason, 0) + n
         self._observe("lookup", seconds)
+
+    def on_load_decision(self, decision: str, reason: str, tokens: int) -> None:
+        label = f"{decision}/{reason}"
+        with self._lock:
+            for name, n in (("load_decisions", 1), ("load_decision_tokens", tokens)):
+                counts = self._maps[name]
+                counts[label] = counts.get(label, 0) + n
+
+    def on_deadline_stop(self) -> None:
+        self._add(load_deadline_stops=1)
 
     def on_verify(self, checked: int, mismatched: int) -> None:
         self._add(verify_checked=checked, verify_mismatches=mismatched)
@@ -128,4 +153,4 @@ class LMCStatsMonitor:
 
     def get_stats(self) -> LMCacheStats:
         with self._lock:
-            return LMCacheStats(**self._values, miss_tokens=dict(self._misses))
+            return LMCacheStats(**self._values, **{m: dict(counts) for m, counts in self._maps.items()})

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 import torch
 
 from lmcache_triton.keys import CacheEngineKey
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.storage.tier_stats import TierStats
+from lmcache_triton.storage.transfer_cost import TransferEstimate
 
 # Gives the backend room for a chunk it is about to read (e.g. the CPU pool's allocate);
 # None when there is no room, which the backend reports as a miss.
@@ -25,6 +27,12 @@ class StorageBackend(abc.ABC):
     name: str
     # True when `contains` answers from memory (no I/O): `store`, on vLLM's per-step path, may ask.
     indexed_in_memory: bool = False
+
+    @cached_property
+    def cost(self) -> TransferEstimate:
+        """What reading from this tier costs now (transfer_cost.py): fed by the backend's own
+        transfers, where the bytes move, read by the load-or-recompute decision."""
+        return TransferEstimate()
 
     @abc.abstractmethod
     def contains(self, key: CacheEngineKey) -> bool:

@@ -8,6 +8,7 @@ against this engine's max_bytes.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,7 +52,11 @@ class LocalDiskBackend(ChunkFiles[CacheEngineKey], StorageBackend):
         return self.store(key, lambda: serialize_parts(key, obj.tensor, obj.fmt, self.compression))
 
     def get(self, key: CacheEngineKey, allocate: AllocateFn) -> MemoryObj | None:
-        return self.read(key, lambda f, raw: self._read_into(f, raw, allocate))
+        started = time.perf_counter()
+        obj = self.read(key, lambda f, raw: self._read_into(f, raw, allocate))
+        if obj is not None:  # a read, checks included, is what a load from the disk costs
+            self.cost.observe_transfer(obj.nbytes, time.perf_counter() - started)
+        return obj
 
     def _read_into(self, f: BinaryIO, raw: RawHeader, allocate: AllocateFn) -> MemoryObj | None:
         header = parse_header(raw)

@@ -17,7 +17,10 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import time
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Literal, overload
 
 import torch
@@ -28,6 +31,7 @@ from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
 from lmcache_triton.storage.tier_stats import TierStats
+from lmcache_triton.storage.transfer_cost import TransferCost, TransferEstimate
 from lmcache_triton.keys import CacheEngineKey
 
 logger = logging.getLogger("lmcache_triton")
@@ -62,11 +66,47 @@ MISS_REMOTE = "remote_error"
 MISS_REFUSED = "pinned_tier_refusal"  # every CPU chunk held; the label keeps its old word (dashboards select on it)
 MISS_PARTIAL = "partial_chunk"
 MISS_BLEND = "blending_ineligible"
-MISS_REASONS = (MISS_NEVER_STORED, MISS_EVICTED, MISS_CORRUPT, MISS_REMOTE, MISS_REFUSED, MISS_PARTIAL, MISS_BLEND)
+# Held by a tier, left to vLLM to compute: loading them was estimated slower (engine/load_policy.py),
+# or their load ran past its deadline.
+MISS_RECOMPUTE_CHEAPER = "recompute_cheaper"
+MISS_DEADLINE = "load_deadline"
+MISS_REASONS = (MISS_NEVER_STORED, MISS_EVICTED, MISS_CORRUPT, MISS_REMOTE, MISS_REFUSED, MISS_PARTIAL, MISS_BLEND,
+                MISS_RECOMPUTE_CHEAPER, MISS_DEADLINE)
 _RECENT_MISSES = 16384  # keys remembered with why they went (or never came): ~2 MB
 
 # One hold: a key and its object, held; `StorageManager.release(key, obj)` ends it.
 Hold = tuple[CacheEngineKey, MemoryObj]
+
+CPU_TIER = "cpu"  # the CPU tier's name in `usage()` and `costs()`
+# A key no chunk has: what the probe at start asks a remote (its round trip seeds the estimate).
+_PROBE_KEY = CacheEngineKey("lmcache_triton-probe", 1, 0, "none", "none", "0" * 32)
+_PROMOTIONS_QUEUED = 256  # background promotions waiting at most (each a chunk read)
+
+
+@dataclass
+class Located:
+    """Where a prefix of keys is (`StorageManager.locate_prefix`): the first `held` keys are in the
+    CPU tier and held for the caller; `lower[i]` names the tier keeping key `held + i`, up to the
+    first key no tier keeps."""
+
+    held: int
+    lower: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.held + len(self.lower)
+
+
+class _Read:
+    """One lower-tier read a load waits for; abandoned at its deadline, it finishes in the
+    background and is released there (its chunk stays in the CPU tier for the next request)."""
+
+    __slots__ = ("key", "future", "lock", "abandoned")
+
+    def __init__(self, key: CacheEngineKey) -> None:
+        self.key = key
+        self.future: Future | None = None
+        self.lock = threading.Lock()
+        self.abandoned = False
 
 
 class StorageManager:
@@ -80,6 +120,12 @@ class StorageManager:
         self.cpu = LocalCPUBackend(size, pin_memory=pin_memory, on_evict=self._on_evict)
         self.tiers = _lower_tiers(config, metadata)
         self._writer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-write") if self.tiers else None
+        # Lower-tier reads for loads (read_prefix) and background promotions: on their own threads,
+        # so a load can stop at its deadline while a read is still on the wire.
+        self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmct-read") if self.tiers else None
+        self._promoting: set[CacheEngineKey] = set()
+        # Copies out of the CPU tier into vLLM's cache (the engine's retrieve feeds it).
+        self.cpu_cost = TransferEstimate()
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         # With local_cpu off, chunks a reservation read from a lower tier wait here for the load
@@ -89,6 +135,9 @@ class StorageManager:
         self._recent: OrderedDict[CacheEngineKey, str] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._closed = False
+        for tier in self.tiers:
+            if not tier.indexed_in_memory:  # a remote: its round trip seeds its estimate
+                self._writer.submit(tier.try_batched_contains, [_PROBE_KEY])
 
     # ---- why a miss ------------------------------------------------------------------------------
     def note_miss(self, key: CacheEngineKey, reason: str) -> None:
@@ -217,6 +266,132 @@ class StorageManager:
             n += 1
         return n
 
+    # ---- loads in two steps: where the chunks are, then (as much as is worth it) read them ----------
+    def locate_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold]) -> Located:
+        """Where the longest kept prefix of `keys` is, reading nothing from a lower tier: the CPU
+        tier's part is held at once (appended to `hold_into`), each lower tier is asked once what
+        it keeps of the rest (a round trip). The first key no tier keeps has its miss reason noted."""
+        held = 0
+        for key in keys:
+            obj = self.get_in_memory(key)
+            if obj is None:
+                break
+            hold_into.append((key, obj))
+            held += 1
+        located = Located(held)
+        rest = keys[held:]
+        if not rest or not self.tiers:
+            return located
+        where: list[str | None] = [None] * len(rest)
+        unreachable = False
+        for tier in self.tiers:
+            missing = [i for i, w in enumerate(where) if w is None]
+            if not missing:
+                break
+            answer = tier.try_batched_contains([rest[i] for i in missing])
+            if answer is None:
+                unreachable = True
+                continue
+            for i, hit in zip(missing, answer):
+                if hit:
+                    where[i] = tier.name
+        for key, name in zip(rest, where):
+            if name is None:
+                if unreachable:
+                    self.note_miss(key, MISS_REMOTE)
+                break
+            located.lower.append(name)
+        return located
+
+    def read_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold], *,
+                    deadline: float | None = None) -> tuple[int, bool]:
+        """Reads `keys` (kept by lower tiers, as `locate_prefix` said) in order into the CPU tier,
+        each held for the caller as it arrives (appended to `hold_into`); stops at the first that
+        cannot be read, or at `deadline` (time.monotonic()). Reads still on the wire at the deadline
+        finish in the background: their chunks land in the CPU tier for the next request (with
+        local_cpu) and are released there. Returns (keys held, whether the deadline stopped it)."""
+        if not keys:
+            return 0, False
+        if self._reader is None:
+            raise RuntimeError("read_prefix: no lower tier to read from")
+        reads = [_Read(key) for key in keys]
+        for read in reads:
+            read.future = self._reader.submit(self.get, read.key)
+            read.future.add_done_callback(lambda f, r=read: self._read_done(r, f))
+        n, late = 0, False
+        try:
+            for read in reads:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    obj = read.future.result(timeout=timeout)
+                except FutureTimeout:
+                    late = True
+                    break
+                except CancelledError:  # closing
+                    break
+                if obj is None:  # listed, but unreadable or failing its checks
+                    self.note_miss(read.key, MISS_CORRUPT)
+                    break
+                if not self.cpu.keeps(read.key, obj):  # local_cpu off: staged for the load, freed at release
+                    with self._staged_lock:
+                        self._staged.setdefault(read.key, obj)
+                hold_into.append((read.key, obj))
+                n += 1
+        finally:
+            for read in reads[n:]:
+                self._abandon(read)
+        return n, late
+
+    def _abandon(self, read: _Read) -> None:
+        if read.future.cancel():
+            return
+        with read.lock:
+            if not read.future.done():
+                read.abandoned = True  # _read_done releases it when it arrives
+                return
+        obj = None if read.future.cancelled() or read.future.exception() else read.future.result()
+        if obj is not None:
+            self.release(read.key, obj)
+
+    def _read_done(self, read: _Read, future: Future) -> None:
+        with read.lock:
+            if not read.abandoned:
+                return
+        obj = None if future.cancelled() or future.exception() else future.result()
+        if obj is not None:
+            self.release(read.key, obj)
+
+    def promote_later(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Reads `keys` into the CPU tier in the background (a slow tier's chunks, for the next
+        request), at most _PROMOTIONS_QUEUED waiting; returns how many were queued. Nothing to do
+        with local_cpu off (nothing stays in the CPU pool)."""
+        if self._reader is None or not self.config.local_cpu or self._closed:
+            return 0
+        queued = 0
+        with self._staged_lock:
+            for key in keys:
+                if len(self._promoting) >= _PROMOTIONS_QUEUED:
+                    break
+                if key in self._promoting or self.cpu.contains(key):
+                    continue
+                self._promoting.add(key)
+                try:
+                    self._reader.submit(self._promote, key)
+                except RuntimeError:  # shut down meanwhile
+                    self._promoting.discard(key)
+                    break
+                queued += 1
+        return queued
+
+    def _promote(self, key: CacheEngineKey) -> None:
+        try:
+            obj = self.get(key)
+            if obj is not None:
+                self.release(key, obj)
+        finally:
+            with self._staged_lock:
+                self._promoting.discard(key)
+
     def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """The chunk, held for the caller, from the first tier that has it; `release` it when done."""
         obj = self.get_in_memory(key)
@@ -342,13 +517,24 @@ class StorageManager:
 
     def usage(self) -> dict[str, TierStats]:
         """Every tier's stats by tier name, the CPU tier first."""
-        return {"cpu": self.cpu.stats(), **{tier.name: tier.stats() for tier in self.tiers}}
+        return {CPU_TIER: self.cpu.stats(), **{tier.name: tier.stats() for tier in self.tiers}}
+
+    def cost_of(self, tier_name: str) -> TransferEstimate:
+        if tier_name == CPU_TIER:
+            return self.cpu_cost
+        return next(tier.cost for tier in self.tiers if tier.name == tier_name)
+
+    def costs(self) -> dict[str, TransferCost]:
+        """Every tier's transfer estimate by tier name, the CPU tier first."""
+        return {CPU_TIER: self.cpu_cost.snapshot(), **{tier.name: tier.cost.snapshot() for tier in self.tiers}}
 
     def close(self) -> None:
         """Drains pending writes, then closes every tier. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._reader is not None:  # reads still running end within the remote's timeout
+            self._reader.shutdown(wait=True, cancel_futures=True)
         if self._writer is not None:
             self.flush()
             self._writer.shutdown(wait=True)

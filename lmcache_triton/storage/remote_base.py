@@ -151,9 +151,11 @@ class RemoteChunkBackend(StorageBackend):
     def try_batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool] | None:
         if not keys:
             return []
+        started = time.perf_counter()
         ok, found = self._call("exists", lambda: self._exists([k.to_string() for k in keys]))
         if not ok or found is None or len(found) != len(keys):
             return None
+        self.cost.observe_round_trip(time.perf_counter() - started)
         return found
 
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
@@ -173,14 +175,18 @@ class RemoteChunkBackend(StorageBackend):
             self._count("put_failures")
             logger.warning("remote %s: cannot serialize chunk %s: %s: %s", self.url, k, type(e).__name__, e)
             return False
+        started = time.perf_counter()
         ok, _ = self._call("put", lambda: self._put_bytes(k, data))
         if not ok:
             self._count("put_failures")
+        else:  # the link's speed before any load: a chunk's bytes (in memory) over this call
+            self.cost.observe_transfer(obj.nbytes, time.perf_counter() - started)
         return ok
 
     def get(self, key: CacheEngineKey, allocate: AllocateFn) -> MemoryObj | None:
         k = key.to_string()
         obj = None
+        started = time.perf_counter()
         try:
             # a value that cannot be ours (e.g. larger than any chunk) raises SerdeError: corrupt
             ok, data = self._call("get", lambda: self._get_bytes(k), passthrough=serde.SerdeError)
@@ -215,6 +221,8 @@ class RemoteChunkBackend(StorageBackend):
                            self.url, k, type(e).__name__, e)
             return None
         self._count("hits")
+        # a load from this tier: the call and the checks that make its bytes a chunk
+        self.cost.observe_transfer(obj.nbytes, time.perf_counter() - started)
         return obj
 
     def remove(self, key: CacheEngineKey) -> bool:

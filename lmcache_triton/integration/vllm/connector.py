@@ -26,10 +26,29 @@ from lmcache_triton.integration.vllm.worker import WorkerSide
 logger = logging.getLogger("lmcache_triton")
 
 
+def _recompute_failed_loads(kv_transfer_config: Any) -> None:
+    """A cache's failed load is a miss: vLLM recomputes the blocks it reports
+    (`get_block_ids_with_load_errors`) instead of failing the request, its default
+    (kv_load_failure_policy "fail"). vLLM's scheduler reads the policy right after building this
+    connector."""
+    if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    try:
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+    except Exception:  # a frozen config: the user's policy stands
+        logger.warning("lmcache_triton: kv_load_failure_policy is 'fail': a chunk that fails to load fails "
+                       "its request; set kv_load_failure_policy 'recompute' in --kv-transfer-config")
+        return
+    logger.info("lmcache_triton: kv_load_failure_policy set to 'recompute': a chunk that fails to load is "
+                "recomputed by vLLM, never a failed request")
+
+
 class LMCacheTritonConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = resolve_config(vllm_config)
+        if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(vllm_config.kv_transfer_config)
         self._scheduler = SchedulerSide(vllm_config, config) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(vllm_config, config, self) if role == KVConnectorRole.WORKER else None
 

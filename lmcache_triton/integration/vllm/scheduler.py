@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.config_fields import TRUE_WORDS
 from lmcache_triton.integration.vllm.common import engine_id, world_size
 from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
 from lmcache_triton.integration.vllm.request_state import RequestState
@@ -83,6 +84,10 @@ def _request_configs(request: Any) -> dict | None:
     return configs or None
 
 
+def _truthy(value: Any) -> bool:
+    return value is True or (isinstance(value, (str, int)) and str(value).strip().lower() in TRUE_WORDS)
+
+
 class SchedulerSide:
     def __init__(self, vllm_config: Any, config: LMCacheEngineConfig) -> None:
         self.config = config
@@ -120,6 +125,8 @@ class SchedulerSide:
             # The tokens' KV comes from embeddings we cannot key by token ids: never served, never saved.
             state.uncacheable = True
             return 0, False
+        if _truthy((_request_configs(request) or {}).get("lmcache.skip_load")):
+            return 0, False  # the request asked to compute its prompt (kv_transfer_params); it still saves
         tokens = request.prompt_token_ids or []
         try:
             spans = mm_spans(*_mm_features(request))
@@ -200,7 +207,8 @@ class SchedulerSide:
             self._plan(state, load_spec, requests)
         return LMCacheConnectorMetadata(
             requests=requests, lookup_requests_in_step=lookups,
-            preempted_req_ids=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+            preempted_req_ids=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+            num_scheduled_tokens=sum(scheduler_output.num_scheduled_tokens.values()))
 
     def _new_tracker(self, new: Any, state: RequestState, num_tokens: int, load_spec: LoadSpec | None
                      ) -> RequestTracker:

@@ -247,6 +247,7 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     requests: tuple[ReqMeta, ...] = ()
     lookup_requests_in_step: tuple[str, ...] = ()
     preempted_req_ids: tuple[str, ...] = ()
+    num_scheduled_tokens: int = 0  # the step's tokens, all requests: the forward the workers time
 
     def __post_init__(self) -> None:
         for name in ("requests", "lookup_requests_in_step", "preempted_req_ids"):

@@ -38,6 +38,7 @@ from lmcache_triton.integration.vllm.paged import PagedKV
 from lmcache_triton.integration.vllm.pd import PDReceiver, PDSender, rank_port
 from lmcache_triton.integration.vllm.rank_engine import build_rank_engine
 from lmcache_triton.integration.vllm.saving import Saving, nothing_to_store
+from lmcache_triton.integration.vllm.step_timing import StepTimer, calibrate
 from lmcache_triton.integration.vllm.verification import verify_request
 from lmcache_triton.metadata import LMCacheEngineMetadata
 
@@ -66,6 +67,7 @@ class WorkerSide:
         self.offload_server: ZMQOffloadServer | None = None
         self.pd_receiver: PDReceiver | None = None
         self.pd_sender: PDSender | None = None
+        self.step_timer = StepTimer()  # vLLM's forward per step: what recomputing costs (step_timing.py)
         self.instance_id = ""
 
     # the engine and vLLM's tensors live in `paged`, which every part shares
@@ -89,9 +91,24 @@ class WorkerSide:
                                   cpu_backend=cpu_backend, blocks_opaque=blocks_opaque)
         self.paged.engine, self.paged.kvcaches = built.engine, built.kvcaches
         self.saving.on_device(built.kvcaches[0].device)
+        self._time_prefill(built.kvcaches[0], built.metadata)
         self.loader.blender = built.blender
         self.saving.blending = built.blender is not None
         self._start_servers(built.metadata, rank, built.num_slots)
+
+    def _time_prefill(self, kvcache: torch.Tensor, metadata: LMCacheEngineMetadata) -> None:
+        """The step timer on the caches' device, and a calibration until the first steps are timed."""
+        self.step_timer = StepTimer(kvcache.device)
+        model_config = getattr(self.vllm_config, "model_config", None)
+        hf_config = getattr(model_config, "hf_config", None)
+        if hf_config is None:
+            return
+        try:
+            calibrate(self.engine.prefill, hf_config, device=kvcache.device,
+                      dtype=getattr(model_config, "dtype", None) or metadata.kv_dtype,
+                      tensor_parallel=self.vllm_config.parallel_config.tensor_parallel_size)
+        except Exception:
+            logger.exception("lmcache_triton: prefill calibration failed; the steps vLLM runs will tell")
 
     def _start_servers(self, metadata: LMCacheEngineMetadata, rank: int, num_slots: int) -> None:
         config, eid = self.config, engine_id(self.vllm_config)
@@ -132,6 +149,7 @@ class WorkerSide:
             load = self.loader.start(req)  # never raises: one request's failure is its miss alone
             if load is not None:
                 self.requests.get(req.req_id).load = load
+        self.step_timer.forward_begins(getattr(self._meta(), "num_scheduled_tokens", 0))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         for load in self.requests.loads():
@@ -155,6 +173,8 @@ class WorkerSide:
                 entry.storer = nothing_to_store()
 
     def wait_for_save(self) -> None:
+        if self.engine is not None:
+            self.step_timer.forward_ends(self.engine.prefill)
         self._finish_loads()
         meta = self._meta()
         if self.saving.is_async:  # whatever happens below: the scheduler holds these requests' blocks

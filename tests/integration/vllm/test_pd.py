@@ -237,6 +237,7 @@ def test_rank_ports_and_disagg_specs_from_the_proxy():
 # ---- the glue -------------------------------------------------------------------------------------
 def test_worker_sends_after_queuing_the_saves_with_the_requests_scope_and_waits(closing):
     from worker_stubs import config as _config, vllm_config as _vllm_config
+    from lmcache_triton.engine.load_policy import PrefillEstimate
     from lmcache_triton.integration.vllm.specs import SaveSpec
     from lmcache_triton.integration.vllm.worker import WorkerSide
 
@@ -244,6 +245,7 @@ def test_worker_sends_after_queuing_the_saves_with_the_requests_scope_and_waits(
 
     class Engine:
         layerwise = False
+        prefill = PrefillEstimate()
 
         def store(self, tokens, mask=None, **kw):
             time.sleep(0.2)  # the send must come after it, on the same thread

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
+from lmcache_triton.engine.load_policy import PrefillEstimate
 from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
 from lmcache_triton.integration.vllm.worker import WorkerSide
 
@@ -89,6 +90,7 @@ class StubEngine:
         self.fail_on = set(fail_on)
         self.loaded_fraction = loaded_fraction
         self.unpinned: list[str] = []
+        self.prefill = PrefillEstimate()  # what the worker's step timer feeds
 
     @staticmethod
     def _tokens(tokens):

@@ -51,7 +51,9 @@ class LMCacheLookupServer:
                 left = 1.0 if request.deadline is None else float(request.deadline) - time.time()
                 self.before_lookup(max(0.0, min(left, 1.0)))
             tokens, scope = request.lookup_args()
-            hit = self.engine.lookup(tokens, reserve=True, lookup_id=request.lookup_id, **scope)
+            # the scheduler's wall-clock deadline, on this process's monotonic clock
+            until = None if request.deadline is None else time.monotonic() + float(request.deadline) - time.time()
+            hit = self.engine.lookup(tokens, reserve=True, lookup_id=request.lookup_id, deadline=until, **scope)
         except Exception:  # a failing lookup is a miss, never a dead server
             logger.exception("lmcache_triton lookup failed; answering 0")
             hit = 0

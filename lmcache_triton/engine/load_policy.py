@@ -1,0 +1,189 @@
+"""Load or recompute: how many of a prompt's cached tokens are worth loading, and by when.
+
+A lookup finds a prefix of chunks, each kept by some tier (the CPU tier, the disk, a remote). Loading
+chunk i costs its tier's latency and bytes (storage/transfer_cost.py) plus the copy out of the CPU
+tier; not loading it costs vLLM's prefill of its tokens (`PrefillEstimate`, from the steps vLLM
+ran). `decide` picks the prefix whose load saves the most time, among those whose estimated load
+beats recomputing by the margin, so a prompt whose first half is in the CPU tier and the rest on a
+slow remote loads the first half only. The load then runs against a deadline (`deadline_s`): a tier
+that slows down mid-load costs at most that, and what arrived by then is used.
+
+Pure, apart from the estimators' locks: no I/O, no vLLM (tests/engine/test_load_policy.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lmcache_triton.storage.transfer_cost import ALPHA, TransferEstimate
+
+# Decisions and their reasons (the lmcache_triton_load_decision_total{decision, reason} counter).
+LOAD, RECOMPUTE = "load", "recompute"
+CHEAPER = "cheaper"                    # load: estimated faster than recomputing by the margin
+POLICY_ALWAYS = "policy_always"        # load: load_policy always
+UNMEASURED = "unmeasured"              # load: no estimate yet; the deadline is the recompute estimate
+RECOMPUTE_CHEAPER = "recompute_cheaper"  # recompute: loading was estimated slower
+TIER_SLOW = "tier_slow"                # recompute: the tier kept missing its deadlines
+DECISION_REASONS = {LOAD: (CHEAPER, POLICY_ALWAYS, UNMEASURED), RECOMPUTE: (RECOMPUTE_CHEAPER, TIER_SLOW)}
+
+# A deadline never closer than this to the estimate: a load estimated at 5 ms must not be cut short
+# by a scheduler hiccup (a cut costs a recompute, the very thing the estimate said to avoid).
+DEADLINE_SLACK_S = 0.05
+
+
+@dataclass(frozen=True)
+class ChunkAt:
+    """One chunk of the found prefix: the tier keeping it, its tokens, bytes and calls to read it
+    (one, or one per layer in layerwise mode)."""
+
+    tier: str
+    tokens: int
+    nbytes: int
+    calls: int = 1
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    chunks: int                  # chunks of the found prefix to load (from the first)
+    reason: str                  # why those (a LOAD reason; RECOMPUTE's when chunks == 0)
+    rest_reason: str | None      # why the chunks after them are recomputed (None: nothing left)
+    load_s: float | None         # estimated load time of the chosen chunks
+    recompute_s: float | None    # estimated prefill time of the chosen chunks' tokens
+    deadline_s: float | None     # the load stops this long after the lookup began (None: no limit)
+
+
+class PrefillEstimate:
+    """Seconds per token of vLLM's forward on this worker, from the steps it ran: a least-squares
+    line `step_seconds = overhead + tokens * per_token` over exponentially decayed sums, so a step of
+    2,048 prompt tokens and a decode step of 4 together tell the per-token cost apart from the
+    step's fixed cost. Before the steps differ enough in size to say, a calibration (a timed matmul
+    of the model's size, integration/vllm/step_timing.py) answers."""
+
+    _MIN_SPREAD_TOKENS = 64.0  # steps must differ by this many tokens (std. dev.) to fit a slope
+
+    def __init__(self, decay: float = 1 - ALPHA / 3) -> None:
+        self._lock = threading.Lock()
+        self._decay = decay  # ~10 steps' memory: a slowdown (a busier host) shows within a few
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self.calibrated_per_token_s: float | None = None
+        self.steps = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            d = self._decay
+            self._w = self._w * d + 1
+            self._n = self._n * d + tokens
+            self._t = self._t * d + seconds
+            self._nn = self._nn * d + tokens * tokens
+            self._nt = self._nt * d + tokens * seconds
+            self.steps += 1
+
+    def calibrate(self, per_token_s: float) -> None:
+        self.calibrated_per_token_s = per_token_s
+
+    @property
+    def per_token_s(self) -> float | None:
+        """Seconds of forward per token; None when neither the steps nor a calibration say."""
+        with self._lock:
+            if self._w > 0:
+                mean_n, mean_t = self._n / self._w, self._t / self._w
+                var_n = self._nn / self._w - mean_n * mean_n
+                if var_n >= self._MIN_SPREAD_TOKENS ** 2:
+                    slope = (self._nt / self._w - mean_n * mean_t) / var_n
+                    if slope > 0:
+                        return slope
+                elif self.calibrated_per_token_s is None and mean_n >= self._MIN_SPREAD_TOKENS:
+                    return mean_t / mean_n  # only large steps seen: their whole time, an upper bound
+        return self.calibrated_per_token_s
+
+    def seconds(self, tokens: int) -> float | None:
+        per = self.per_token_s
+        return None if per is None else per * tokens
+
+
+def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate], prefill: PrefillEstimate, *,
+           policy: str = "cost", margin: float = 0.25, deadline_factor: float = 2.0,
+           deadline_ms: float | None = None, cpu_tier: str = "cpu") -> LoadDecision:
+    """How many of `chunks` (the found prefix, in order) to load, and the load's deadline.
+
+    policy "always": all of them (the deadline still applies when estimates exist). "cost": the
+    prefix k maximizing recompute(k) - load(k) among those with load(k) * (1 + margin) <=
+    recompute(k); a chunk on a tier marked slow ends the candidates. Unknown estimates: a CPU-tier
+    copy counts as free (memory speed); a lower tier never measured is tried, with the recompute
+    estimate of its tokens as the deadline (UNMEASURED), and the first load measures it.
+    """
+    limit_s = deadline_ms / 1000 if deadline_ms else None
+    if not chunks:
+        return LoadDecision(0, RECOMPUTE_CHEAPER, None, 0.0, 0.0, None)
+    per_tier: dict[str, tuple[int, int]] = {}  # tier -> (bytes, calls) of the prefix so far
+    load_s: float | None = 0.0
+    tokens = 0
+    best = (0, 0.0, None, 0.0)  # (k, gain, load_s, recompute_s)
+    unmeasured = False
+    slow_at: int | None = None
+    estimates = {cpu_tier: cost_of(cpu_tier)}  # every chunk is copied out of the CPU tier
+    for k, chunk in enumerate(chunks, start=1):
+        est = estimates.get(chunk.tier)
+        if est is None:
+            est = estimates[chunk.tier] = cost_of(chunk.tier)
+        if policy != "always" and chunk.tier != cpu_tier and est.slow:
+            slow_at = k - 1
+            break
+        b, c = per_tier.get(chunk.tier, (0, 0))
+        per_tier[chunk.tier] = (b + chunk.nbytes, c + chunk.calls)
+        tokens += chunk.tokens
+        load_s = _load_seconds(per_tier, estimates, cpu_tier)
+        if load_s is None:
+            unmeasured = True
+        recompute_s = prefill.seconds(tokens)
+        if policy == "always" or recompute_s is None or load_s is None:
+            best = (k, 0.0, load_s, recompute_s)
+            continue
+        gain = recompute_s - load_s
+        if load_s * (1 + margin) <= recompute_s and gain >= best[1]:
+            best = (k, gain, load_s, recompute_s)
+    k, _, est_load, est_recompute = best
+    if k == 0:
+        reason = TIER_SLOW if slow_at == 0 else RECOMPUTE_CHEAPER
+        return LoadDecision(0, reason, None, est_load, est_recompute, None)
+    if policy == "always":
+        reason = POLICY_ALWAYS
+    elif unmeasured or est_recompute is None:
+        reason = UNMEASURED
+    else:
+        reason = CHEAPER
+    rest = None
+    if k < len(chunks):
+        rest = TIER_SLOW if slow_at is not None and slow_at <= k else RECOMPUTE_CHEAPER
+    deadline = None
+    if policy == "always" or est_recompute is None:  # only an absolute limit the user set
+        pass
+    elif est_load is not None:
+        deadline = max(est_load * deadline_factor, est_load + DEADLINE_SLACK_S)
+    elif est_recompute is not None:  # never measured: at most what computing those tokens costs
+        deadline = max(est_recompute, DEADLINE_SLACK_S)
+    if limit_s is not None:
+        deadline = limit_s if deadline is None else min(deadline, limit_s)
+    return LoadDecision(k, reason, rest, est_load, est_recompute, deadline)
+
+
+def _load_seconds(per_tier: dict[str, tuple[int, int]], estimates: dict[str, TransferEstimate],
+                  cpu_tier: str) -> float | None:
+    """Reads from the lower tiers (one after the other: a load reads its chunks in order) and the
+    copy of all of them out of the CPU tier."""
+    total = 0.0
+    all_bytes = 0
+    for tier, (nbytes, calls) in per_tier.items():
+        all_bytes += nbytes
+        if tier == cpu_tier:
+            continue
+        s = estimates[tier].seconds(nbytes, calls)
+        if s is None:
+            return None
+        total += s
+    copy = estimates[cpu_tier].seconds(all_bytes, 1)
+    return total + (copy or 0.0)
