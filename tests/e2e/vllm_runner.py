@@ -34,6 +34,7 @@ def fault_step(llm, step: dict) -> dict | None:
     {"sigstop_pid": pid} | {"sigcont_pid": pid} | {"sleep": s} | {"truncate_files": [paths]}
     | {"list_dir": path, "min_files": n}: the chunk files there, once >= n exist (waits <= 10 s)
     | {"touch": path} | {"wait_file": path, "timeout": s}: another process acts in between
+    | {"wait_remote_chunks": {"port": p, "min": n, "timeout": s}}: until a cache server holds n chunks
     | {"abort_mid_load": {"prompt": [ids], "steps": n, "max_tokens": m}}: added with
       LLMEngine.add_request, n LLMEngine.step() calls, then abort_request."""
     t = time.perf_counter()
@@ -62,6 +63,19 @@ def fault_step(llm, step: dict) -> dict | None:
             if len(files) >= step.get("min_files", 0) or time.perf_counter() - t > 10:
                 return {"files": files}
             time.sleep(0.05)
+    if "wait_remote_chunks" in step:  # the write-through reached the cache server (asked directly, not via a relay)
+        from lmcache_triton.storage.remote import CacheServerClient
+
+        w = step["wait_remote_chunks"]
+        client = CacheServerClient("127.0.0.1", w["port"], timeout_s=2.0)
+        try:
+            while True:
+                keys, _ = client.list(10000)
+                if len(keys) >= w["min"] or time.perf_counter() - t > w.get("timeout", 60):
+                    return {"remote_chunks": len(keys), "waited": time.perf_counter() - t}
+                time.sleep(0.1)
+        finally:
+            client.close()
     if "abort_mid_load" in step:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -91,7 +105,7 @@ def main() -> None:
             kv_connector_extra_config=spec["connector"],
             **({"engine_id": spec["engine_id"]} if spec.get("engine_id") else {}))
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True,
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=True,
               max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, disable_log_stats=False,
               seed=0, **({"enable_prefix_caching": False} | spec.get("llm_args", {})), **kw)
     results = {"start_s": time.perf_counter() - t0, "steps": []}
