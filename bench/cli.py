@@ -71,6 +71,8 @@ COMMANDS = {
                          "CPU-possible sections here"),
     "pd": Command(("bench.pd",), "prefill/decode disaggregation (prefiller + decoder + proxy) vs one instance: "
                   "TTFT and inter-token latency on long documents and multi-round chat"),
+    "slow-tier": Command(("bench.slow_tier",), "time to first token through a slow remote tier: without the "
+                         "connector, load_policy always, load_policy cost", own_plot=True),
     "prefix-cache": Command(("bench.prefix_cache",), "vLLM's own prefix cache without/with the connector as the "
                             "working set outgrows vLLM's KV pool (vllm bench serve)", own_plot=True),
 }

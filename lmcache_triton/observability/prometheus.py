@@ -95,8 +95,9 @@ def serve(port: int) -> None:
 
 
 # Names follow Prometheus' conventions: a counter's name ends in _total (CounterMetricFamily adds
-# it), units are in the name (_seconds, _bytes, _tokens, _chunks), a ratio ends in _ratio. README
-# "Metrics" lists every one; tests/observability/test_prometheus.py checks the list against a scrape.
+# it), units are in the name (_seconds, _bytes, _tokens, _chunks, _per_token), a ratio ends in _ratio,
+# a 0/1 state (tier_slow) has none (as Prometheus' own `up`). docs/metrics.md lists every one;
+# tests/observability/test_prometheus.py checks the list against a scrape.
 _COUNTERS = {  # stats field -> (metric name without _total, help)
     "lookup_requests": ("lookup_requests", "Lookups answered: one per request vLLM schedules (again if preempted)"),
     "lookup_misses": ("lookup_misses", "Lookups that found none of their tokens: requests that missed entirely"),
@@ -152,6 +153,26 @@ class _EngineCollector:
         expired = CounterMetricFamily("lmcache_triton_expired_reservations",
                                       "Lookup holds released by their lease, not by a load (reservation_lease_secs)",
                                       labels=_LABELS)
+        decisions = CounterMetricFamily("lmcache_triton_load_decision",
+                                        "Load-or-recompute decisions of lookups, by decision and why (a lookup "
+                                        "that loads part of its hit counts one of each)",
+                                        labels=(*_LABELS, "decision", "reason"))
+        decision_tokens = CounterMetricFamily("lmcache_triton_load_decision_tokens",
+                                              "Found prompt tokens the decisions loaded or left to recompute",
+                                              labels=(*_LABELS, "decision", "reason"))
+        deadline_stops = CounterMetricFamily("lmcache_triton_load_deadline_stops",
+                                             "Loads from a lower tier cut short at their deadline", labels=_LABELS)
+        latency = GaugeMetricFamily("lmcache_triton_tier_latency_seconds",
+                                    "Estimated latency of one call to a tier (moving average)", labels=tier)
+        throughput = GaugeMetricFamily("lmcache_triton_tier_throughput_bytes_per_second",
+                                       "Estimated bytes per second a tier moves (moving average)", labels=tier)
+        slow = GaugeMetricFamily("lmcache_triton_tier_slow",
+                                 "1 while a tier is skipped for loads (it kept missing its deadlines)", labels=tier)
+        deadline_misses = CounterMetricFamily("lmcache_triton_tier_deadline_misses",
+                                              "Loads from a tier that ran past their deadline", labels=tier)
+        prefill = GaugeMetricFamily("lmcache_triton_prefill_seconds_per_token",
+                                    "vLLM's estimated prefill time per token on this worker (what not loading "
+                                    "costs)", labels=_LABELS)
         with _lock:
             engines = list(_engines)
         for engine in engines:
@@ -161,6 +182,20 @@ class _EngineCollector:
             for reason, n in sorted(stats.miss_tokens.items()):
                 misses.add_metric([*labels, reason], n)
             expired.add_metric(labels, snap.expired_reservations)
+            for name, family in (("load_decisions", decisions), ("load_decision_tokens", decision_tokens)):
+                for key, n in sorted(getattr(stats, name).items()):
+                    family.add_metric([*labels, *key.split("/", 1)], n)  # "decision/reason"
+            deadline_stops.add_metric(labels, stats.load_deadline_stops)
+            if snap.prefill_seconds_per_token is not None:
+                prefill.add_metric(labels, snap.prefill_seconds_per_token)
+            for tier_name, cost in snap.costs.items():
+                tl = [*labels, tier_name]
+                if cost.latency_s is not None:
+                    latency.add_metric(tl, cost.latency_s)
+                if cost.bytes_per_s is not None:
+                    throughput.add_metric(tl, cost.bytes_per_s)
+                slow.add_metric(tl, int(cost.slow))
+                deadline_misses.add_metric(tl, cost.deadline_misses)
             for f, family in counters.items():
                 family.add_metric(labels, getattr(stats, f))
             lookup_ratio.add_metric(labels, _ratio(stats.lookup_hit_tokens, stats.lookup_tokens))
@@ -180,12 +215,14 @@ class _EngineCollector:
                 (disk_errors if tier_name == _DISK_TIER else remote_errors).add_metric(tl, t.errors)
         yield from counters.values()
         yield from (misses, evictions, remote_errors, disk_errors, checksum, expired, lookup_ratio, retrieve_ratio, usage,
-                    capacity, held)
+                    capacity, held, decisions, decision_tokens, deadline_stops, latency, throughput, slow,
+                    deadline_misses, prefill)
 
 
 def scrape_engine_stats(url: str, timeout: float = 5.0) -> dict[str, dict]:
     """A worker's lmcache_triton_* metrics at `url` (its /metrics), per model and rank: counters
-    and gauges by name, and `miss_tokens` by reason. For `lmcache-triton stats http://...`."""
+    and gauges by name, `miss_tokens` by reason, and a `load_or_recompute` section (`_load_or_recompute`).
+    For `lmcache-triton stats http://...`."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -202,7 +239,9 @@ def scrape_engine_stats(url: str, timeout: float = 5.0) -> dict[str, dict]:
                 continue
             labels = dict(sample.labels)
             engine = out.setdefault(f"{labels.pop('model', '')} rank {labels.pop('rank', '')}", {})
-            if "reason" in labels:
+            if "decision" in labels:
+                engine.setdefault(name, {})[f"{labels['decision']}/{labels['reason']}"] = sample.value
+            elif "reason" in labels:
                 engine.setdefault(name, {})[labels["reason"]] = sample.value
             elif "tier" in labels:
                 engine.setdefault(name, {})[labels["tier"]] = sample.value
@@ -210,4 +249,31 @@ def scrape_engine_stats(url: str, timeout: float = 5.0) -> dict[str, dict]:
                 engine[name] = sample.value
     if not out:
         raise ValueError(f"{url} serves no lmcache_triton metrics")
-    return out
+    return {name: _load_or_recompute(engine) for name, engine in out.items()}
+
+
+def _3g(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+def _load_or_recompute(engine: dict) -> dict:
+    """`engine` with the load-or-recompute metrics gathered into one section, in the units one
+    reads them in: per tier latency ms, throughput MB/s, slow, deadline misses; prefill µs per
+    token (None: not measured yet); decisions by "decision/reason" with their lookups and tokens."""
+    latency = engine.pop("tier_latency_seconds", {})
+    throughput = engine.pop("tier_throughput_bytes_per_second", {})
+    slow = engine.pop("tier_slow", {})
+    misses = engine.pop("tier_deadline_misses", {})
+    lookups = engine.pop("load_decision", {})
+    tokens = engine.pop("load_decision_tokens", {})
+    prefill = engine.pop("prefill_seconds_per_token", None)
+    engine["load_or_recompute"] = {
+        "prefill_us_per_token": None if prefill is None else _3g(prefill * 1e6),
+        "tiers": {tier: {"latency_ms": _3g(latency[tier] * 1e3) if tier in latency else None,
+                         "throughput_MB_per_s": _3g(throughput[tier] / 1e6) if tier in throughput else None,
+                         "slow": bool(slow.get(tier, 0)), "deadline_misses": int(misses.get(tier, 0))}
+                  for tier in slow},
+        "decisions": {key: {"lookups": int(n), "tokens": int(tokens.get(key, 0))} for key, n in lookups.items()},
+        "deadline_stops": int(engine.pop("load_deadline_stops", 0)),
+    }
+    return engine

@@ -519,7 +519,8 @@ def add_server_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_stats_parser(subparsers) -> argparse.ArgumentParser:
     """`lmcache-triton stats lm://host:port | http://host:port/metrics`: a running server's STATS,
-    or a vLLM worker's cache metrics (hits, misses by reason, reservations, verified hits), as JSON."""
+    or a vLLM worker's cache metrics (hits, misses by reason, reservations, verified hits, load-or-recompute
+    decisions and the estimates behind them), as JSON."""
     p = subparsers.add_parser("stats", help="print a cache server's or a vLLM worker's cache statistics (JSON)")
     p.add_argument("url", help="lm://host:port (a cache server), or http://host:port/metrics (a worker's "
                                "prometheus_port)")

@@ -93,11 +93,13 @@ def test_every_exported_metric_is_documented_in_the_docs_and_named_by_the_rules(
     exported = {f.name + ("_total" if f.type == "counter" else ""): f.type for f in families}
     documented = _documented()
     assert len(documented) > 20 and set(exported) == documented, "docs/metrics.md's table lists what is exported"
-    units = ("_seconds", "_bytes", "_tokens", "_chunks", "_ratio", "_requests", "_per_second")
+    units = ("_seconds", "_bytes", "_tokens", "_chunks", "_ratio", "_requests", "_per_second", "_per_token")
+    states = {"lmcache_triton_tier_slow"}  # 0 or 1, unitless like Prometheus' own `up`
     for name, kind in exported.items():
         base = name.removesuffix("_total")
         assert (kind == "counter") == name.endswith("_total"), name
-        assert kind == "counter" or base.endswith(units), f"{name}: a gauge or histogram names its unit"
+        assert kind == "counter" or base.endswith(units) or name in states, \
+            f"{name}: a gauge or histogram names its unit"
 
 
 def test_misses_by_reason_expired_leases_and_verify_reach_the_scrape_and_the_stats_command(capsys):
@@ -169,3 +171,78 @@ def test_disk_tier_errors_are_exported_as_disk_errors_not_remote(tmp_path):
         assert not re.search(r'lmcache_triton_remote_errors_total\{[^}]*model="metrics/disk"', text)
     finally:
         LMCacheEngineBuilder.destroy("metrics-disk")
+
+
+def test_load_or_recompute_decisions_and_tier_estimates_reach_the_scrape_and_the_stats_command(tmp_path, capsys):
+    """A real engine with a CPU and a disk tier: lookups decide to load (no estimate yet; then a
+    prefill calibrated slow), to recompute (a prefill calibrated faster than the measured copy),
+    and to skip a tier that missed its deadlines; the scrape counts each decision by reason, and
+    carries the estimates the transfers left (the CPU tier's throughput from a retrieve of 96 KB,
+    the disk's latency from its reads of 32 KB chunks: too small to say its throughput)."""
+    import json
+
+    from lmcache_triton.tools.cli import main
+
+    port = _free_port()
+    config = LMCacheEngineConfig.from_defaults(chunk_size=16, max_local_cpu_size=0.01, prometheus_port=port,
+                                               local_disk=str(tmp_path / "kv"), max_local_disk_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="metrics/decisions", world_size=1, worker_id=0,
+                                     kv_dtype=torch.float16, kv_shape=(2, 2, 16, 2, 128))  # 2 KiB per token
+    engine = LMCacheEngineBuilder.get_or_create("metrics-decisions", config, metadata,
+                                                create_gpu_connector(config, metadata, "vllm_cpu"))
+    prometheus.export(engine, config.prometheus_port)
+    url = f"http://127.0.0.1:{port}/metrics"
+    disk = "LocalDiskBackend"
+    sm = engine.storage_manager
+    try:
+        caches = make_kv_caches("vllm_cpu", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_size=128,
+                                dtype=torch.float16)
+        tokens = torch.arange(48)  # 3 chunks of 32 KiB
+        slots = random_slot_mapping(48, num_blocks=8, block_size=16)
+        engine.store(tokens, kvcaches=caches, slot_mapping=slots)
+        sm.flush(10)
+        assert engine.lookup(tokens) == 48  # load/unmeasured: no prefill estimate yet
+        engine.prefill.calibrate(1.0)  # a second per token: any load is cheaper
+        assert engine.lookup(tokens) == 48  # load/cheaper
+        engine.retrieve(tokens, kvcaches=caches, slot_mapping=slots)  # measures the copy out of the CPU tier
+        engine.prefill.calibrate(1e-15)  # recomputing is all but free
+        assert engine.lookup(tokens) == 0  # recompute/recompute_cheaper
+        engine.prefill.calibrate(1.0)
+        sm.clear()  # only the disk keeps them now
+        assert engine.lookup(tokens, reserve=True, lookup_id="from-disk") == 48  # load/unmeasured: disk never read
+        engine.release_reservation("from-disk")
+        sm.clear()
+        for _ in range(2):  # what two loads cut short at their deadline tell the disk's estimate
+            sm.cost_of(disk).deadline_missed()
+        assert engine.lookup(tokens) == 0  # recompute/tier_slow
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert main(["stats", url]) == 0
+    finally:
+        LMCacheEngineBuilder.destroy("metrics-decisions")
+    labels = {"model": "metrics/decisions", "rank": "0"}
+    decisions = {("load", "unmeasured"): (2, 96), ("load", "cheaper"): (1, 48),
+                 ("recompute", "recompute_cheaper"): (1, 48), ("recompute", "tier_slow"): (1, 48)}
+    for (decision, reason), (lookups, n) in decisions.items():
+        assert _value(text, "lmcache_triton_load_decision_total", decision=decision, reason=reason, **labels) == lookups
+        assert _value(text, "lmcache_triton_load_decision_tokens_total", decision=decision, reason=reason,
+                      **labels) == n
+    assert _value(text, "lmcache_triton_miss_tokens_total", reason="recompute_cheaper", **labels) == 96
+    assert _value(text, "lmcache_triton_load_deadline_stops_total", **labels) == 0
+    assert _value(text, "lmcache_triton_prefill_seconds_per_token", **labels) == 1.0
+    assert _value(text, "lmcache_triton_tier_throughput_bytes_per_second", tier="cpu", **labels) > 0
+    assert _value(text, "lmcache_triton_tier_latency_seconds", tier=disk, **labels) > 0
+    assert 'lmcache_triton_tier_throughput_bytes_per_second{model="metrics/decisions",rank="0",tier="Local' \
+        not in text, "no disk read was large enough to measure its throughput: no sample, not a 0"
+    assert _value(text, "lmcache_triton_tier_slow", tier=disk, **labels) == 1
+    assert _value(text, "lmcache_triton_tier_slow", tier="cpu", **labels) == 0
+    assert _value(text, "lmcache_triton_tier_deadline_misses_total", tier=disk, **labels) == 2
+
+    shown = json.loads(capsys.readouterr().out)["metrics/decisions rank 0"]["load_or_recompute"]
+    assert shown["prefill_us_per_token"] == 1e6
+    assert shown["decisions"] == {f"{d}/{r}": {"lookups": lookups, "tokens": n}
+                                  for (d, r), (lookups, n) in decisions.items()}
+    assert shown["deadline_stops"] == 0
+    assert set(shown["tiers"]) == {"cpu", disk}
+    assert shown["tiers"][disk]["slow"] is True and shown["tiers"][disk]["deadline_misses"] == 2
+    assert shown["tiers"][disk]["latency_ms"] > 0 and shown["tiers"][disk]["throughput_MB_per_s"] is None
+    assert shown["tiers"]["cpu"]["throughput_MB_per_s"] > 0 and shown["tiers"]["cpu"]["slow"] is False
