@@ -24,9 +24,15 @@ LOAD, RECOMPUTE = "load", "recompute"
 CHEAPER = "cheaper"                    # load: estimated faster than recomputing by the margin
 POLICY_ALWAYS = "policy_always"        # load: load_policy always
 UNMEASURED = "unmeasured"              # load: no estimate yet; the deadline is the recompute estimate
+NEGLIGIBLE = "negligible"              # load: about as fast as recomputing (within NOISE_S); it spares the compute
 RECOMPUTE_CHEAPER = "recompute_cheaper"  # recompute: loading was estimated slower
 TIER_SLOW = "tier_slow"                # recompute: the tier kept missing its deadlines
-DECISION_REASONS = {LOAD: (CHEAPER, POLICY_ALWAYS, UNMEASURED), RECOMPUTE: (RECOMPUTE_CHEAPER, TIER_SLOW)}
+DECISION_REASONS = {LOAD: (CHEAPER, NEGLIGIBLE, POLICY_ALWAYS, UNMEASURED), RECOMPUTE: (RECOMPUTE_CHEAPER, TIER_SLOW)}
+
+# Differences this small are noise to a user and to the estimates (a step's jitter on a busy host):
+# within it a load is chosen, because loading spares vLLM the compute, which other requests share.
+# The tiny test models compute a chunk in about the time a loopback remote moves it.
+NOISE_S = 0.02
 
 # A deadline never closer than this to the estimate: a load estimated at 5 ms must not be cut short
 # by a scheduler hiccup (a cut costs a recompute, the very thing the estimate said to avoid).
@@ -110,9 +116,10 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
            deadline_ms: float | None = None, cpu_tier: str = "cpu") -> LoadDecision:
     """How many of `chunks` (the found prefix, in order) to load, and the load's deadline.
 
-    policy "always": all of them (the deadline still applies when estimates exist). "cost": the
-    prefix k maximizing recompute(k) - load(k) among those with load(k) * (1 + margin) <=
-    recompute(k); a chunk on a tier marked slow ends the candidates. Unknown estimates: a CPU-tier
+    policy "always": all of them (only `deadline_ms` limits the load). "cost": among the prefixes
+    worth loading (load(k) * (1 + margin) <= recompute(k), or load(k) within NOISE_S of
+    recompute(k)), the longest whose saving recompute(k) - load(k) is within NOISE_S of the best;
+    a chunk on a tier marked slow ends the candidates. Unknown estimates: a CPU-tier
     copy counts as free (memory speed); a lower tier never measured is tried, with the recompute
     estimate of its tokens as the deadline (UNMEASURED), and the first load measures it.
     """
@@ -123,6 +130,8 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
     load_s: float | None = 0.0
     tokens = 0
     best = (0, 0.0, None, 0.0)  # (k, gain, load_s, recompute_s)
+    worth: list[tuple[int, float, float, float]] = []  # the prefixes worth loading, as best's
+    tried = None  # a prefix loaded without a comparison (policy always, or an estimate missing)
     unmeasured = False
     slow_at: int | None = None
     estimates = {cpu_tier: cost_of(cpu_tier)}  # every chunk is copied out of the CPU tier
@@ -141,12 +150,14 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
             unmeasured = True
         recompute_s = prefill.seconds(tokens)
         if policy == "always" or recompute_s is None or load_s is None:
-            best = (k, 0.0, load_s, recompute_s)
+            tried = best = (k, 0.0, load_s, recompute_s)
             continue
-        gain = recompute_s - load_s
-        if load_s * (1 + margin) <= recompute_s and gain >= best[1]:
-            best = (k, gain, load_s, recompute_s)
-    k, _, est_load, est_recompute = best
+        if load_s * (1 + margin) <= recompute_s or load_s <= recompute_s + NOISE_S:
+            worth.append((k, recompute_s - load_s, load_s, recompute_s))
+    if worth and tried is None:  # the longest prefix saving about as much as the best: loading spares vLLM the compute
+        top = max(gain for _, gain, _, _ in worth)
+        best = max((w for w in worth if w[1] >= top - NOISE_S), key=lambda w: w[0])
+    k, gain, est_load, est_recompute = best
     if k == 0:
         reason = TIER_SLOW if slow_at == 0 else RECOMPUTE_CHEAPER
         return LoadDecision(0, reason, None, est_load, est_recompute, None)
@@ -155,7 +166,7 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
     elif unmeasured or est_recompute is None:
         reason = UNMEASURED
     else:
-        reason = CHEAPER
+        reason = CHEAPER if est_load * (1 + margin) <= est_recompute else NEGLIGIBLE
     rest = None
     if k < len(chunks):
         rest = TIER_SLOW if slow_at is not None and slow_at <= k else RECOMPUTE_CHEAPER

@@ -225,7 +225,12 @@ class CacheServerBackend(RemoteChunkBackend):
         # megabytes to a slow server.
         self.client = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token, limits=limits)
         self.writer = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token, limits=limits)
+        # ... and a lookup's presence question on its own: a load cut short at its deadline leaves
+        # its GET on the wire (its chunk lands for the next request), and the next lookup must not
+        # wait for it (one more connection: a slow remote's reads cost the next lookup nothing).
+        self.asker = CacheServerClient(host, port, timeout_s=timeout_s, auth_token=auth_token, limits=limits)
         self.client.connect()  # in the background: by the first lookup the connection is usually up
+        self.asker.connect()
 
     def _put_bytes(self, key: str, data: bytes) -> None:
         self.writer.put(key.encode(), data)
@@ -237,7 +242,7 @@ class CacheServerBackend(RemoteChunkBackend):
         return self.client.get(key.encode())
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
-        return self.client.exists([k.encode() for k in keys])
+        return self.asker.exists([k.encode() for k in keys])
 
     def _delete(self, key: str) -> bool:
         return self.client.delete(key.encode())
@@ -245,6 +250,7 @@ class CacheServerBackend(RemoteChunkBackend):
     def _close(self) -> None:
         self.client.close()
         self.writer.close()
+        self.asker.close()
 
 
 def parse_lm_url(url: str) -> tuple[str, int]:

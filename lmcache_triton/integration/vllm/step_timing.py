@@ -1,10 +1,12 @@
 """What computing a token costs on this worker: vLLM's forward timed per step, and a calibration
 for before the first steps (load_policy.py's `PrefillEstimate` reads both).
 
-vLLM calls `start_load_kv` just before the model's forward and `wait_for_save` just after it
-(the model runner's KV-connector context), so the time between them is the forward of the step's
-scheduled tokens. On a GPU the forward only queues kernels: a pair of CUDA events per step is read
-once the GPU has passed them, a later step (no synchronisation on vLLM's path).
+vLLM binds the step's connector metadata just before the model's forward and calls `wait_for_save`
+just after it (the model runner's KV-connector context), so the time between them is the forward
+of the step's scheduled tokens. (`start_load_kv` is no mark: vLLM calls it after the forward when
+the step has no synchronous load.) The time our own synchronous loads take in between is taken off
+(`exclude`). On a GPU the forward only queues kernels: a pair of CUDA events per step is read once
+the GPU has passed them, a later step (no synchronisation on vLLM's path).
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ class StepTimer:
     def __init__(self, device: torch.device | None = None) -> None:
         self.cuda = device is not None and device.type == "cuda"
         self._begun: tuple[int, Any] | None = None
+        self._excluded = 0.0
         self._pending: deque[tuple[int, Any, Any]] = deque()
 
+    def exclude(self, seconds: float) -> None:
+        """Time inside the step that is not the forward (a synchronous load, on the CPU path)."""
+        self._excluded += seconds
+
     def forward_begins(self, tokens: int) -> None:
+        self._excluded = 0.0
         if tokens <= 0:
             self._begun = None
             return
@@ -47,7 +55,7 @@ class StepTimer:
         tokens, start = self._begun
         self._begun = None
         if not self.cuda:
-            prefill.observe(tokens, time.perf_counter() - start)
+            prefill.observe(tokens, time.perf_counter() - start - self._excluded)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()

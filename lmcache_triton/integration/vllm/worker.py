@@ -22,6 +22,7 @@ runs (and is tested) without it.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -137,6 +138,7 @@ class WorkerSide:
         of the requests it preempted at once (no `request_finished`), and this step may hand them to
         another request, so their queued saves must have read them first."""
         self.paged.defer_prefault(_STEP_BOUND_S)  # the tier's pages are committed between steps, not beside them
+        self.step_timer.forward_begins(getattr(meta, "num_scheduled_tokens", 0))
         preempted = self.requests.saving(getattr(meta, "preempted_req_ids", ()))
         if preempted and not self.saving.wait(preempted):
             logger.error("lmcache_triton: saves of preempted requests %s did not finish", preempted)
@@ -144,12 +146,13 @@ class WorkerSide:
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.engine is None:
             return
+        started = time.perf_counter()
         self._finish_loads()  # a step whose wait_for_save never came: its loads end here
         for req in self._meta().requests:
             load = self.loader.start(req)  # never raises: one request's failure is its miss alone
             if load is not None:
                 self.requests.get(req.req_id).load = load
-        self.step_timer.forward_begins(getattr(self._meta(), "num_scheduled_tokens", 0))
+        self.step_timer.exclude(time.perf_counter() - started)  # not the forward's time
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         for load in self.requests.loads():
