@@ -475,11 +475,11 @@ class LMCacheEngine:
         for key, obj in held[k * steps:]:
             sm.release(key, obj)
         del held[k * steps:]
-        if not reserve:
+        if lease is None:  # no reservation, or released before this lookup began: hold nothing
             for key, obj in held:
                 sm.release(key, obj)
             held = []
-        elif lease is not None and not self.reservations.add(lease, held):
+        elif not self.reservations.add(lease, held):
             lease = None  # released (timed out, aborted) while we looked: stop holding
         loaded = k
         lower = keys[located.held:k * steps]

@@ -122,7 +122,7 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
     per_tier: dict[str, tuple[int, int]] = {}  # tier -> (bytes, calls) of the prefix so far
     load_s: float | None = 0.0
     tokens = 0
-    best = (0, 0.0, None, 0.0)  # (k, gain, load_s, recompute_s)
+    best = (0, 0.0, 0.0, 0.0)  # (k, gain, load_s, recompute_s): none chosen costs nothing either way
     unmeasured = False
     slow_at: int | None = None
     estimates = {cpu_tier: cost_of(cpu_tier)}  # every chunk is copied out of the CPU tier

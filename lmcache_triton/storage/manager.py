@@ -314,10 +314,15 @@ class StorageManager:
             return 0, False
         if self._reader is None:
             raise RuntimeError("read_prefix: no lower tier to read from")
-        reads = [_Read(key) for key in keys]
-        for read in reads:
-            read.future = self._reader.submit(self.get, read.key)
+        reads: list[_Read] = []
+        for key in keys:
+            read = _Read(key)
+            try:
+                read.future = self._reader.submit(self.get, key)
+            except RuntimeError:  # closing: what was submitted is waited for (or was cancelled) below
+                break
             read.future.add_done_callback(lambda f, r=read: self._read_done(r, f))
+            reads.append(read)
         n, late = 0, False
         try:
             for read in reads:
