@@ -475,16 +475,17 @@ class LMCacheEngine:
         for key, obj in held[k * steps:]:
             sm.release(key, obj)
         del held[k * steps:]
-        if not reserve:
+        if lease is None:  # no reservation, or released before this lookup began: hold nothing
             for key, obj in held:
                 sm.release(key, obj)
             held = []
-        elif lease is not None and not self.reservations.add(lease, held):
+        elif not self.reservations.add(lease, held):
             lease = None  # released (timed out, aborted) while we looked: stop holding
         loaded = k
         lower = keys[located.held:k * steps]
         if reserve and lease is not None and lower:  # read the lower tiers' chunks into the CPU tier
-            until = None if plan.deadline_s is None else started + plan.deadline_s
+            own = None if plan.deadline_s is None else started + plan.deadline_s
+            until = own
             if deadline is not None:
                 answer_by = deadline - self._ANSWER_MARGIN_S
                 until = answer_by if until is None else min(until, answer_by)
@@ -494,7 +495,8 @@ class LMCacheEngine:
                 lease = None
             loaded = (located.held + n) // steps
             if late:
-                sm.cost_of(tiers[located.held + n]).deadline_missed()
+                if own is None or until == own:  # not when its own (later) deadline was not reached
+                    sm.cost_of(tiers[located.held + n]).deadline_missed()
                 self.stats_monitor.on_deadline_stop()
             else:
                 for name in set(tiers[located.held:k * steps]):

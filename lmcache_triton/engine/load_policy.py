@@ -117,8 +117,8 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
     """How many of `chunks` (the found prefix, in order) to load, and the load's deadline.
 
     policy "always": all of them (only `deadline_ms` limits the load). "cost": among the prefixes
-    worth loading (load(k) * (1 + margin) <= recompute(k), or load(k) within NOISE_S of
-    recompute(k)), the longest whose saving recompute(k) - load(k) is within NOISE_S of the best;
+    worth loading (load(k) * (1 + margin) <= recompute(k), give or take NOISE_S: load(k) <=
+    recompute(k) / (1 + margin) + NOISE_S), the longest whose saving recompute(k) - load(k) is within NOISE_S of the best;
     a chunk on a tier marked slow ends the candidates. Unknown estimates: a CPU-tier
     copy counts as free (memory speed); a lower tier never measured is tried, with the recompute
     estimate of its tokens as the deadline (UNMEASURED), and the first load measures it.
@@ -129,7 +129,7 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
     per_tier: dict[str, tuple[int, int]] = {}  # tier -> (bytes, calls) of the prefix so far
     load_s: float | None = 0.0
     tokens = 0
-    best = (0, 0.0, None, 0.0)  # (k, gain, load_s, recompute_s)
+    best = (0, 0.0, 0.0, 0.0)  # (k, gain, load_s, recompute_s): none chosen costs nothing either way
     worth: list[tuple[int, float, float, float]] = []  # the prefixes worth loading, as best's
     tried = None  # a prefix loaded without a comparison (policy always, or an estimate missing)
     unmeasured = False
@@ -152,7 +152,7 @@ def decide(chunks: Sequence[ChunkAt], cost_of: Callable[[str], TransferEstimate]
         if policy == "always" or recompute_s is None or load_s is None:
             tried = best = (k, 0.0, load_s, recompute_s)
             continue
-        if load_s * (1 + margin) <= recompute_s or load_s <= recompute_s + NOISE_S:
+        if load_s * (1 + margin) <= recompute_s + NOISE_S * (1 + margin):
             worth.append((k, recompute_s - load_s, load_s, recompute_s))
     if worth and tried is None:  # the longest prefix saving about as much as the best: loading spares vLLM the compute
         top = max(gain for _, gain, _, _ in worth)

@@ -307,39 +307,40 @@ class StorageManager:
                     deadline: float | None = None) -> tuple[int, bool]:
         """Reads `keys` (kept by lower tiers, as `locate_prefix` said) in order into the CPU tier,
         each held for the caller as it arrives (appended to `hold_into`); stops at the first that
-        cannot be read, or at `deadline` (time.monotonic()). Reads still on the wire at the deadline
-        finish in the background: their chunks land in the CPU tier for the next request (with
-        local_cpu) and are released there. Returns (keys held, whether the deadline stopped it)."""
+        cannot be read, or at `deadline` (time.monotonic()). A read still on the wire at the deadline
+        finishes in the background: its chunk lands in the CPU tier for the next request (with
+        local_cpu) and is released there. Returns (keys held, whether the deadline stopped it)."""
         if not keys:
             return 0, False
         if self._reader is None:
             raise RuntimeError("read_prefix: no lower tier to read from")
-        reads = [_Read(key) for key in keys]
-        for read in reads:
-            read.future = self._reader.submit(self.get, read.key)
-            read.future.add_done_callback(lambda f, r=read: self._read_done(r, f))
+        # One read at a time, in order: a chunk is read (and checked) only once the prefix before it
+        # arrived, as a prefix load needs (the lm:// client moves one request at a time anyway).
         n, late = 0, False
-        try:
-            for read in reads:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    obj = read.future.result(timeout=timeout)
-                except FutureTimeout:
-                    late = True
-                    break
-                except CancelledError:  # closing
-                    break
-                if obj is None:  # listed, but unreadable or failing its checks
-                    self.note_miss(read.key, MISS_CORRUPT)
-                    break
-                if not self.cpu.keeps(read.key, obj):  # local_cpu off: staged for the load, freed at release
-                    with self._staged_lock:
-                        self._staged.setdefault(read.key, obj)
-                hold_into.append((read.key, obj))
-                n += 1
-        finally:
-            for read in reads[n:]:
+        for key in keys:
+            read = _Read(key)
+            try:
+                read.future = self._reader.submit(self.get, key)
+            except RuntimeError:  # closing
+                break
+            read.future.add_done_callback(lambda f, r=read: self._read_done(r, f))
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                obj = read.future.result(timeout=timeout)
+            except FutureTimeout:
+                late = True
                 self._abandon(read)
+                break
+            except CancelledError:  # closing
+                break
+            if obj is None:  # listed, but unreadable or failing its checks
+                self.note_miss(key, MISS_CORRUPT)
+                break
+            if not self.cpu.keeps(key, obj):  # local_cpu off: staged for the load, freed at release
+                with self._staged_lock:
+                    self._staged.setdefault(key, obj)
+            hold_into.append((key, obj))
+            n += 1
         return n, late
 
     def _abandon(self, read: _Read) -> None:

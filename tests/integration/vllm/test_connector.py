@@ -86,3 +86,38 @@ def test_scheduler_and_worker_store_what_a_fresh_lookup_by_tokens_finds_and_load
     assert engine.get_stats().hit_tokens == 5 * CHUNK
     slots = lambda first_block: torch.arange(first_block * BLOCK, first_block * BLOCK + 5 * CHUNK)  # noqa: E731
     assert torch.equal(paged_gather(dst, slots(16), "vllm_cpu"), paged_gather(src, slots(0), "vllm_cpu"))
+
+
+# ---- a failed load is a miss vLLM recomputes, never a failed request -------------------------------
+class _Frozen:
+    """A config whose fields cannot be set (a frozen dataclass, a pydantic model)."""
+
+    kv_load_failure_policy = "fail"
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{name} is frozen")
+
+
+@pytest.mark.parametrize("given, expect", [
+    pytest.param(SimpleNamespace(kv_load_failure_policy="fail"), "recompute", id="fail-becomes-recompute"),
+    pytest.param(SimpleNamespace(kv_load_failure_policy="recompute"), "recompute", id="recompute-stays"),
+    pytest.param(_Frozen(), "fail", id="frozen-config-keeps-the-users-policy"),
+])
+def test_the_scheduler_makes_vllm_recompute_failed_loads(given, expect, caplog):
+    pytest.importorskip("vllm", reason="connector.py is vLLM's KV connector class")
+    from lmcache_triton.integration.vllm.connector import _recompute_failed_loads
+
+    with caplog.at_level("INFO", logger="lmcache_triton"):
+        _recompute_failed_loads(given)
+    assert given.kv_load_failure_policy == expect
+    if isinstance(given, _Frozen):
+        assert "kv_load_failure_policy 'recompute'" in caplog.text, "the user is told how to set it"
+
+
+def test_a_config_without_the_policy_is_left_alone():
+    pytest.importorskip("vllm", reason="connector.py is vLLM's KV connector class")
+    from lmcache_triton.integration.vllm.connector import _recompute_failed_loads
+
+    older = SimpleNamespace(kv_role="kv_both")  # a vLLM before kv_load_failure_policy
+    _recompute_failed_loads(older)
+    assert not hasattr(older, "kv_load_failure_policy")

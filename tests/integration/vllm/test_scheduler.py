@@ -200,6 +200,55 @@ def test_scheduler_reads_the_proxys_disagg_spec_only_as_a_sender():
         "a spec that cannot be read costs the transfer, not the request"
 
 
+
+# ---- load or recompute: what the request asks, and what the workers time ---------------------------
+def _with_params(req_id: str, params: dict):
+    """A request whose kv_transfer_params (in its sampling params' extra_args, where vLLM keeps
+    them) are `params`."""
+    from types import SimpleNamespace
+
+    return request(req_id, sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": params}),
+                   kv_transfer_params=params)
+
+
+@pytest.mark.parametrize("value", [pytest.param(True, id="true"), pytest.param("true", id="string-true"),
+                                   pytest.param("Yes", id="string-yes"), pytest.param(1, id="one")])
+def test_a_request_that_asks_to_skip_the_load_matches_nothing_and_is_not_looked_up(value):
+    side = scheduler(hit=3 * CHUNK)
+    req = _with_params("skip", {"lmcache.skip_load": value})
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.lookup_client.calls == [], "the lookup client was asked"
+    side.update_state_after_alloc(req, None, 0)
+    meta = side.build_connector_meta(output(new=[new_req(req, range(8))], scheduled={"skip": 4 * CHUNK}))
+    (sent,) = meta.requests
+    assert sent.load_spec is None or not sent.load_spec.can_load
+    assert sent.save_spec.can_save, "it still saves what it computes"
+
+
+@pytest.mark.parametrize("params", [pytest.param({"lmcache.skip_load": False}, id="false"),
+                                    pytest.param({"lmcache.skip_load": "false"}, id="string-false"),
+                                    pytest.param({"other": True}, id="not-asked")])
+def test_a_request_that_does_not_ask_to_skip_is_looked_up(params):
+    side = scheduler(hit=3 * CHUNK)
+    assert side.get_num_new_matched_tokens(_with_params("r", params), 0) == (3 * CHUNK, False)
+    assert len(side.lookup_client.calls) == 1
+
+
+def test_the_metadata_carries_the_steps_scheduled_tokens():
+    """The workers time each forward against the tokens it ran (step_timing.py): every request's."""
+    side = scheduler(hit=0)
+    b = request("b", n=2 * CHUNK)
+    assert [m.num_scheduled_tokens for m in prefill(side, b, range(4), step=CHUNK)] == [CHUNK, CHUNK]
+    a = request("a", n=3 * CHUNK)
+    side.get_num_new_matched_tokens(a, 0)
+    side.update_state_after_alloc(a, None, 0)
+    b.all_token_ids.append(7)  # b decodes its first sampled token
+    b.num_tokens += 1
+    both = output(new=[new_req(a, range(4, 10))], cached=cached_step("b", 2 * CHUNK),
+                  scheduled={"a": 3 * CHUNK, "b": 1})
+    assert side.build_connector_meta(both).num_scheduled_tokens == 3 * CHUNK + 1, "a's prefill and b's decode"
+    assert idle_step(side).num_scheduled_tokens == 0
+
 # ---- holds: vLLM keeps a finished request's blocks while its saves run -----------------------------
 def test_scheduler_holds_exactly_the_finished_requests_that_were_sent_a_save():
     side = scheduler(hit=0)

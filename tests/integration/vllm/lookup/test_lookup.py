@@ -209,6 +209,45 @@ def test_lookups_the_scheduler_gave_up_on_are_not_run(closing):
     assert engine.calls == ["slow"] and server.skipped_expired == 1
 
 
+
+def test_a_slow_tier_is_cut_at_the_schedulers_deadline_and_the_prefix_that_arrived_is_the_answer(closing,
+                                                                                                    tmp_path):
+    """Chunk 0 in the CPU tier, chunk 1 on the disk, chunk 2 on a disk that stalls: the server hands
+    the client's deadline to the lookup, whose reads stop before it, so the scheduler gets the two
+    chunks in time instead of a timeout's 0."""
+    from types import SimpleNamespace
+
+    from slow_tier import open_gates, slow_down, wait_until
+
+    from lmcache_triton.keys import KeyScope
+
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01,
+                                               local_disk=str(tmp_path), max_local_disk_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
+    engine = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
+    closing.append(engine)
+    caches = make_kv_caches("vllm_cpu", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=HEADS,
+                            head_size=HEAD, generator=torch.Generator().manual_seed(0))
+    slots = random_slot_mapping(len(PROMPT), num_blocks=BLOCKS, block_size=BLOCK,
+                                generator=torch.Generator().manual_seed(1))
+    assert engine.store(PROMPT, kvcaches=caches, slot_mapping=slots) == len(PROMPT)
+    sm = engine.storage_manager
+    sm.flush(timeout=10)
+    keys = [key for _, _, key in engine.token_database.process_tokens(PROMPT, None, KeyScope())]
+    assert sm.cpu.remove(keys[1]) and sm.cpu.remove(keys[2])
+    slow = slow_down(sm, keys[2:])
+    closing.append(SimpleNamespace(close=slow.gate.set))  # at teardown the stalled read ends before the engine closes
+    eid = _engine_id()
+    _server(closing, LMCacheLookupServer, engine, eid)
+    client = LookupClient(eid, 1, timeout_ms=1000)
+    closing.append(client)
+    assert client.lookup(PROMPT.tolist(), "r") == 2 * CHUNK
+    assert engine.get_stats().load_deadline_stops == 1
+    engine.release_reservation("r")
+    open_gates(sm)
+    assert wait_until(lambda: sm.cpu.num_held == 0 and sm.cpu.contains(keys[2]))
+
 # ---- chunk hashes instead of token ids (protocol v3, issue #14) -------------------------------------
 from lmcache_triton.keys import ChunkHashes, TokenChain  # noqa: E402
 
