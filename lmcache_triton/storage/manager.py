@@ -256,15 +256,22 @@ class StorageManager:
                 break
             if hold_into is not None:
                 obj = self.get(key)  # promoted and held; stays held for the caller's load
-                if obj is None:  # listed, but unreadable or failing its checks
-                    self.note_miss(key, MISS_CORRUPT)
+                if not self._hold_read(key, obj, hold_into):
                     break
-                if not self.cpu.keeps(key, obj):  # local_cpu off: staged for the load, freed at release
-                    with self._staged_lock:
-                        self._staged.setdefault(key, obj)
-                hold_into.append((key, obj))
             n += 1
         return n
+
+    def _hold_read(self, key: CacheEngineKey, obj: MemoryObj | None, hold_into: list[Hold]) -> bool:
+        """A lower-tier read for a load: held for the caller (False: listed, but unreadable or
+        failing its checks). With local_cpu off it is staged for the load, freed at its release."""
+        if obj is None:
+            self.note_miss(key, MISS_CORRUPT)
+            return False
+        if not self.cpu.keeps(key, obj):
+            with self._staged_lock:
+                self._staged.setdefault(key, obj)
+        hold_into.append((key, obj))
+        return True
 
     # ---- loads in two steps: where the chunks are, then (as much as is worth it) read them ----------
     def locate_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold]) -> Located:
@@ -333,13 +340,8 @@ class StorageManager:
                 break
             except CancelledError:  # closing
                 break
-            if obj is None:  # listed, but unreadable or failing its checks
-                self.note_miss(key, MISS_CORRUPT)
+            if not self._hold_read(key, obj, hold_into):
                 break
-            if not self.cpu.keeps(key, obj):  # local_cpu off: staged for the load, freed at release
-                with self._staged_lock:
-                    self._staged.setdefault(key, obj)
-            hold_into.append((key, obj))
             n += 1
         return n, late
 
