@@ -123,9 +123,12 @@ class LMCacheEngineConfig:
         None, "The remote tier's token: the cache server's, or the Redis password when remote_url has "
         "none.", secret=True, ours=True)
     blocking_timeout_secs: float = option(10.0, "The longest one remote call may take, seconds.", gt=0)
-    use_layerwise: bool = option(False, "Load and store layer by layer, pipelined with the forward pass.")
-    enable_blending: bool = option(False, "CacheBlend: reuse chunks that are not a prefix; needs "
-                                          "use_layerwise.")
+    use_layerwise: bool | None = option(
+        None, "Load and store layer by layer, pipelined with the forward pass. Not given (None): true "
+        "with enable_blending (CacheBlend blends layer by layer; logged), else false. False with "
+        "enable_blending is an error.")
+    enable_blending: bool = option(False, "CacheBlend: reuse chunks that are not a prefix; turns "
+                                          "use_layerwise on.")
     blend_recompute_ratios: tuple[float, ...] = option(
         (0.15,), "CacheBlend: the share of tokens recomputed after each check layer (LMCache stores "
         "None and documents 0.15).", ge=0, le=1, nonempty=True)
@@ -199,19 +202,27 @@ class LMCacheEngineConfig:
         # Types and normal forms (see the class doc), before the instance is handed out.
         for f in _FIELDS.values():
             object.__setattr__(self, f.name, f.coerce(getattr(self, f.name)))
-        # The one field the config fills in itself, when not given; remembered so that replace()
-        # resolves it anew rather than carrying the value picked here.
-        unset = frozenset({"save_unfull_chunk"} if self.save_unfull_chunk is None else ())
-        if unset:
+        # The fields the config fills in itself, when not given; remembered so that replace()
+        # resolves them anew rather than carrying the values picked here.
+        unset = frozenset(name for name in ("save_unfull_chunk", "use_layerwise") if getattr(self, name) is None)
+        if "save_unfull_chunk" in unset:
             # PD: the decoder then loads all but the prompt's last token (LMCache's PD configs set it)
             object.__setattr__(self, "save_unfull_chunk", self.enable_blending or self.enable_pd)
+        if "use_layerwise" in unset:
+            # LMCache's published blending config (benchmarks/rag/example_blending.yaml) sets
+            # enable_blending alone; LMCache 0.5.6 accepts it and then does not blend (its blending
+            # runs on the layerwise path only). What the user meant is blending: turn it on, say so.
+            object.__setattr__(self, "use_layerwise", self.enable_blending)
         object.__setattr__(self, "_unset", unset)
         self.validate()
-        if unset and self.enable_blending:
-            warn_once("save_unfull_chunk=auto", (
-                "setting save_unfull_chunk=True because enable_blending=True (CacheBlend stores each "
-                "segment's partial last chunk; LMCache does the same); set save_unfull_chunk: true "
-                "to silence this"))
+        if self.enable_blending:
+            auto = [name for name in ("use_layerwise", "save_unfull_chunk") if name in unset]
+            if auto:
+                warn_once("blending=auto:" + ",".join(auto), (
+                    f"setting {' and '.join(f'{name}=True' for name in auto)} because enable_blending=True "
+                    "(CacheBlend blends layer by layer and stores each segment's partial last chunk; "
+                    f"LMCache forces save_unfull_chunk too); set {' and '.join(f'{n}: true' for n in auto)} "
+                    "to silence this"))
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> LMCacheEngineConfig:
@@ -226,10 +237,12 @@ class LMCacheEngineConfig:
                 f"or unset local_disk"
             )
         if self.enable_blending and not self.use_layerwise:
+            # Not turned on silently: false was asked for (left unset, it is true with blending).
             raise ConfigError(
-                "'enable_blending' = True requires 'use_layerwise' = True "
-                "(CacheBlend recomputes layer by layer; LMCache too blends only on its "
-                "layerwise path): add use_layerwise: true (LMCACHE_USE_LAYERWISE=true)"
+                "'use_layerwise' = False conflicts with 'enable_blending' = True (CacheBlend "
+                "recomputes layer by layer; LMCache too blends only on its layerwise path): remove "
+                "use_layerwise (with blending it then defaults to true) or set it true "
+                "(LMCACHE_USE_LAYERWISE=true), or turn enable_blending off"
             )
         if self.enable_pd:
             if self.pd_role is None:

@@ -334,8 +334,23 @@ def test_load_cross_source_constraint(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCACHE_USE_LAYERWISE", "true")
     c = LMCacheEngineConfig.load()
     assert c.enable_blending and c.use_layerwise
-    with pytest.raises(ConfigError, match="use_layerwise"):
+    with pytest.raises(ConfigError, match="'use_layerwise' = False conflicts"):
         LMCacheEngineConfig.load({"lmcache.use_layerwise": False})
+
+
+def test_blending_alone_turns_layerwise_on(caplog):
+    """LMCache's published blending config sets enable_blending without use_layerwise: blending is
+    what was meant, and it runs layer by layer. One warning line names both fields it set."""
+    with caplog.at_level(logging.WARNING, logger="lmcache_triton"):
+        c = LMCacheEngineConfig.from_defaults(enable_blending=True)
+        LMCacheEngineConfig.from_defaults(enable_blending=True)
+    assert c.use_layerwise is True and c.save_unfull_chunk is True
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "use_layerwise=True and save_unfull_chunk=True because enable_blending" in msgs[0]
+    assert LMCacheEngineConfig().use_layerwise is False
+    # picked, not given: picked anew by replace(); given, kept
+    assert c.replace(enable_blending=False).use_layerwise is False
+    assert LMCacheEngineConfig.from_defaults(use_layerwise=True).replace(chunk_size=128).use_layerwise is True
 
 
 def test_load_env_parse_error_surfaces(monkeypatch):
@@ -376,7 +391,8 @@ def test_load_env_parse_error_surfaces(monkeypatch):
         ({"blocking_timeout_secs": 0}, "blocking_timeout_secs.*> 0"),
         ({"lookup_timeout_ms": 0}, "lookup_timeout_ms.*> 0"),
         ({"lookup_timeout_ms": 1.5}, "lookup_timeout_ms.*expected int"),
-        ({"enable_blending": True}, "enable_blending.*use_layerwise"),
+        ({"enable_blending": True, "use_layerwise": False},
+         "'use_layerwise' = False conflicts with 'enable_blending' = True.*remove use_layerwise"),
         ({"enable_blending": True, "use_layerwise": True, "save_unfull_chunk": False},
          "'save_unfull_chunk' = False conflicts with 'enable_blending' = True.*remove save_unfull_chunk"),
         ({"save_unfull_chunk": 1}, "save_unfull_chunk.*expected bool or None"),

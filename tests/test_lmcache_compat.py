@@ -149,17 +149,19 @@ def test_lmcache_example_loads(caplog, name, fields, warned):
 
 def test_rag_blending_example_percentage_ratio(caplog):
     """benchmarks/rag/example_blending.yaml: `blend_recompute_ratio: 15  # default` (LMCache's
-    default is the fraction 0.15) and no use_layerwise, which CacheBlend needs (here and in LMCache,
-    whose connector blends only on its layerwise path): refused with a message that says so; with
-    LMCACHE_USE_LAYERWISE=true it loads with the ratio read as 15%."""
-    with pytest.raises(ConfigError, match="use_layerwise.*add use_layerwise: true"):
-        load_file(caplog, "rag_example_blending.yaml")
-    lmcache_compat.reset_warnings()
-    caplog.clear()
-    c = load_file(caplog, "rag_example_blending.yaml", environ={"LMCACHE_USE_LAYERWISE": "true"})
+    default is the fraction 0.15), and no use_layerwise, which CacheBlend needs (here and in LMCache,
+    whose connector blends only on its layerwise path, so LMCache silently does not blend): it loads
+    with blending and layerwise on (one warning says so) and the ratio read as 15%; an explicit
+    use_layerwise false is refused with a message that says why."""
+    c = load_file(caplog, "rag_example_blending.yaml")
     assert c.enable_blending and c.use_layerwise and c.blend_recompute_ratios == (0.15,)
     assert c.max_local_cpu_size == 30.0 and c.blend_min_tokens == 256
-    assert any("blend_recompute_ratio" in m and "percentage" in m for m in warnings_of(caplog))
+    msgs = warnings_of(caplog)
+    assert any("blend_recompute_ratio" in m and "percentage" in m for m in msgs)
+    assert sum("use_layerwise=True" in m and "because enable_blending=True" in m for m in msgs) == 1
+    lmcache_compat.reset_warnings()
+    with pytest.raises(ConfigError, match="'use_layerwise' = False conflicts with 'enable_blending'"):
+        load_file(caplog, "rag_example_blending.yaml", environ={"LMCACHE_USE_LAYERWISE": "false"})
 
 
 @pytest.mark.parametrize(
@@ -483,11 +485,23 @@ def test_cli_config_check_no_file(capsys):
     assert "LMCACHE_CONFIG_FILE unset" in out and "# loads: 0 warning(s)" in out
 
 
+def test_cli_config_check_lmcache_blending_example(capsys):
+    """LMCache's benchmarks/rag/example_blending.yaml: blending and layerwise on, one warning about it."""
+    from lmcache_triton.tools.cli import main
+
+    assert main(["config", "check", str(DATA / "rag_example_blending.yaml")]) == 0
+    captured = capsys.readouterr()
+    loaded = json.loads(captured.out[captured.out.index("{"):captured.out.rindex("}") + 1])
+    assert loaded["enable_blending"] is True and loaded["use_layerwise"] is True
+    blending_warnings = [line for line in captured.out.splitlines() + captured.err.splitlines()
+                         if line.startswith("warning:") and "because enable_blending=True" in line]
+    assert len(blending_warnings) == 1 and "use_layerwise=True" in blending_warnings[0]
+
+
 @pytest.mark.parametrize(
     "args, pattern",
     [
         ([str(DATA / "mooncakestore_backend_type.yaml")], "config error: invalid value for 'remote_url'"),
-        ([str(DATA / "rag_example_blending.yaml")], "config error: 'enable_blending'"),
         (["/nonexistent/x.yaml"], "config error: cannot read config file"),
         (["--extra-config", "[1]"], "config error: --extra-config must be a JSON object"),
         (["--extra-config", "{bad"], "config error: "),
