@@ -27,6 +27,16 @@ class StorageBackend(abc.ABC):
     name: str
     # True when `contains` answers from memory (no I/O): `store`, on vLLM's per-step path, may ask.
     indexed_in_memory: bool = False
+    # Where the tier keeps its chunks relative to this host (vLLM's KV events' `locality`): a
+    # remote is shared with other instances and evicts without telling them.
+    locality: str = "LOCAL"
+    # Told of every key this tier drops that it knows of (removed, deleted as corrupt, evicted
+    # where the tier evicts itself): the StorageManager's event log, when something publishes it.
+    on_drop: Callable[[CacheEngineKey], None] | None = None
+
+    def _dropped(self, key: CacheEngineKey) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     @cached_property
     def cost(self) -> TransferEstimate:

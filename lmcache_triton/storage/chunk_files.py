@@ -188,10 +188,19 @@ class ChunkFiles(Generic[K]):
         victims = self._index.evict(self.capacity, incoming, held=_writing)
         if victims is None:
             return False
-        for _, entry in victims:
+        for key, entry in victims:
             self._unlink(entry.path)
+            self._dropped(key)
         self._stats.evictions += len(victims)
         return True
+
+    # Told of every key this folder loses (evicted, removed, deleted as corrupt): the disk tier's
+    # event log (storage/tier_events.py), when something publishes it.
+    on_drop: Callable[[K], None] | None = None
+
+    def _dropped(self, key: K) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     def _forget(self, key: K, entry: _File, *, delete: bool) -> None:
         """Drops `key` if the index still has this very entry."""
@@ -200,6 +209,7 @@ class ChunkFiles(Generic[K]):
                 self._index.pop(key)
                 if delete:
                     self._unlink(entry.path)
+                self._dropped(key)
 
     # ---- start -----------------------------------------------------------------------------------
     def _scan(self) -> ScanReport:
@@ -368,6 +378,7 @@ class ChunkFiles(Generic[K]):
                 return False
             self._index.pop(key)
             self._unlink(entry.path)
+            self._dropped(key)
             return True
 
     # ---- reads -----------------------------------------------------------------------------------

@@ -42,6 +42,9 @@ class LocalCPUBackend:
         self._objs: LRU[CacheEngineKey, MemoryObj] = LRU()
         self._lock = threading.RLock()
         self._on_evict = on_evict  # the StorageManager remembers why a key went (miss reasons)
+        # Told of every key this tier gains ("stored") or loses ("removed"), under its lock: the
+        # StorageManager's event log (tier_events.py), when something publishes it.
+        self.on_change: Callable[[str, CacheEngineKey], None] | None = None
         self._stats = TierStats(capacity_bytes=self.pool.capacity)
 
     # ---- queries -------------------------------------------------------------------------------
@@ -117,6 +120,8 @@ class LocalCPUBackend:
                 self._stats.evictions += 1
                 if self._on_evict is not None:
                     self._on_evict(key, old)
+                if self.on_change is not None:
+                    self.on_change("removed", key)
             return obj
 
     def put(self, key: CacheEngineKey, obj: MemoryObj, *, holds: int = 0) -> bool:
@@ -131,6 +136,8 @@ class LocalCPUBackend:
             for _ in range(holds):
                 obj.hold()
             self._objs.put(key, obj, obj.nbytes)
+            if self.on_change is not None:
+                self.on_change("stored", key)
             return True
 
     def remove(self, key: CacheEngineKey) -> bool:
@@ -143,6 +150,8 @@ class LocalCPUBackend:
                 return False
             if not obj.is_held:
                 obj.free()
+            if self.on_change is not None:
+                self.on_change("removed", key)
             return True
 
     def clear(self) -> int:
@@ -151,6 +160,8 @@ class LocalCPUBackend:
             dropped = [k for k, obj in self._objs.items() if not obj.is_held]
             for k in dropped:
                 self._objs.pop(k).free()
+                if self.on_change is not None:
+                    self.on_change("removed", k)
             return len(dropped)
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from lmcache_triton.storage import serde
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.local_cpu import LocalCPUBackend
+from lmcache_triton.storage.tier_events import REMOVED, STORED, TierEventLog
 from lmcache_triton.storage.tier_stats import TierStats
 from lmcache_triton.storage.transfer_cost import TransferCost, TransferEstimate
 from lmcache_triton.keys import CacheEngineKey
@@ -135,9 +136,21 @@ class StorageManager:
         self._recent: OrderedDict[CacheEngineKey, str] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._closed = False
+        self.events: TierEventLog | None = None  # see watch()
         for tier in self.tiers:
             if not tier.indexed_in_memory:  # a remote: its round trip seeds its estimate
                 self._writer.submit(tier.try_batched_contains, [_PROBE_KEY])
+
+    def watch(self) -> TierEventLog:
+        """From now on every tier reports each key it gains or loses to the returned log (read by
+        whoever publishes placements: vLLM's KV events). Remotes report only what this process
+        sees: its own writes, removals and the corrupt chunks it deletes, not the server's evictions."""
+        if self.events is None:
+            log = self.events = TierEventLog()
+            self.cpu.on_change = lambda kind, key: log.add(kind, CPU_TIER, key)
+            for tier in self.tiers:
+                tier.on_drop = lambda key, name=tier.name: log.add(REMOVED, name, key)
+        return self.events
 
     # ---- why a miss ------------------------------------------------------------------------------
     def note_miss(self, key: CacheEngineKey, reason: str) -> None:
@@ -487,7 +500,8 @@ class StorageManager:
 
     def _write(self, tier, key: CacheEngineKey, obj: MemoryObj) -> None:
         try:
-            tier.put(key, obj)
+            if tier.put(key, obj) and self.events is not None:
+                self.events.add(STORED, tier.name, key)
         except Exception:  # a backend bug must not kill the writer thread or leak the hold
             logger.exception("lmcache_triton: write of %s to %s failed", key, tier.name)
         finally:

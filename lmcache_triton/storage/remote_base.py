@@ -56,6 +56,7 @@ class RemoteChunkBackend(StorageBackend):
     """
 
     name = "RemoteBackend"
+    locality = "REMOTE"
 
     def __init__(self, *, url: str, metadata: LMCacheEngineMetadata | None, compression: str,
                  timeout_s: float) -> None:
@@ -211,6 +212,7 @@ class RemoteChunkBackend(StorageBackend):
             logger.warning("remote %s: chunk %s is unusable, treated as a miss: %s", self.url, k, e)
             if not isinstance(e, serde.UnsupportedVersionError):  # a newer writer's chunk is not ours to delete
                 self._call("delete corrupt", lambda: self._delete(k))
+                self._dropped(key)
             return None
         except Exception as e:  # e.g. an allocator or buffer problem on our side: still only a miss
             if obj is not None:
@@ -227,6 +229,8 @@ class RemoteChunkBackend(StorageBackend):
 
     def remove(self, key: CacheEngineKey) -> bool:
         ok, removed = self._call("delete", lambda: self._delete(key.to_string()))
+        if ok and removed:
+            self._dropped(key)
         return bool(ok and removed)
 
     def close(self) -> None:

@@ -10,9 +10,11 @@ and `get_finished` reports it in finished_sending once its saves are done.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -41,6 +43,33 @@ def _recompute_failed_loads(kv_transfer_config: Any) -> None:
         return
     logger.info("lmcache_triton: kv_load_failure_policy set to 'recompute': a chunk that fails to load is "
                 "recomputed by vLLM, never a failed request")
+
+
+class LMCacheTritonKVEvents(KVConnectorKVEvents):
+    """The events rank 0 reports for our tiers (kv_events.py): ranks are not counted, so
+    aggregating keeps them as they are."""
+
+    def __init__(self, events: Iterable[KVCacheEvent] = ()) -> None:
+        self._events = list(events)
+        self._workers = 1
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> LMCacheTritonKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
 
 
 class LMCacheTritonConnectorV1(KVConnectorBase_V1):
@@ -86,6 +115,16 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
+    def get_kv_connector_kv_cache_events(self) -> LMCacheTritonKVEvents | None:
+        if self._worker is None:
+            return None
+        try:
+            events = self._worker.take_kv_events()
+        except Exception:  # a placement unannounced, never a failed step
+            logger.exception("lmcache_triton: collecting KV events failed")
+            return None
+        return LMCacheTritonKVEvents(events) if events else None
+
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -98,6 +137,15 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None and self._scheduler.kv_events is not None:
+            self._scheduler.kv_events.collect(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self._scheduler is None or self._scheduler.kv_events is None:
+            return ()
+        return self._scheduler.kv_events.take()
 
     def shutdown(self) -> None:
         for side in (self._worker, self._scheduler):

@@ -23,6 +23,7 @@ from typing import Any
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.config_fields import TRUE_WORDS
 from lmcache_triton.integration.vllm.common import engine_id, world_size
+from lmcache_triton.integration.vllm.kv_events import SchedulerKVEvents, kv_events_enabled
 from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
 from lmcache_triton.integration.vllm.request_state import RequestState
 from lmcache_triton.integration.vllm.specs import (
@@ -106,6 +107,9 @@ class SchedulerSide:
                                whole_prompt_only=config.enable_blending)
         # Saves run after the step (worker.py); layerwise saves finish inside the forward.
         self.async_saves = not config.use_layerwise
+        # vLLM's KV events on: each step names the blocks of the chunks it saves or loads (kv_events.py)
+        self.kv_events = (SchedulerKVEvents(config.chunk_size, vllm_config.cache_config.block_size)
+                          if kv_events_enabled(vllm_config) else None)
 
     def _state(self, req_id: str) -> RequestState:
         """The request's state; the one place one is created (request_finished removes it)."""
@@ -250,7 +254,8 @@ class SchedulerSide:
             return
         state.tracker.advance(plan)
         if plan.meta is not None:
-            requests.append(plan.meta)
+            meta = plan.meta if self.kv_events is None else self.kv_events.name_blocks(plan.meta, state.request)
+            requests.append(meta)
             state.saving = state.saving or (self.async_saves and plan.saves)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:

@@ -207,6 +207,8 @@ class ReqMeta:
     verify_tokens: int = 0  # compare the stored chunks of tokens [0, verify_tokens) with the computed KV
     token_offset: int = 0
     chunk_hashes: ChunkHashes | None = None  # of the spans of tokens [0, num_tokens), from token_offset
+    # With vLLM's KV events on: (chunk index, vLLM's blocks in it) of the chunks covered (kv_events.py)
+    chunk_blocks: tuple = ()
 
     @property
     def num_tokens(self) -> int:

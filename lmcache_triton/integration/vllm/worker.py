@@ -31,6 +31,7 @@ from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine.engine import LMCacheEngineBuilder
 from lmcache_triton.integration.vllm.common import cpu_blocks_opaque, engine_id, is_cpu_platform
 from lmcache_triton.integration.vllm.inflight import InFlightRequests
+from lmcache_triton.integration.vllm.kv_events import WorkerKVEvents, kv_events_enabled
 from lmcache_triton.integration.vllm.loading import Loader, LoadErrors
 from lmcache_triton.integration.vllm.lookup.server import LMCacheAsyncLookupServer
 from lmcache_triton.integration.vllm.offload_server import ZMQOffloadServer
@@ -69,6 +70,7 @@ class WorkerSide:
         self.pd_receiver: PDReceiver | None = None
         self.pd_sender: PDSender | None = None
         self.step_timer = StepTimer()  # vLLM's forward per step: what recomputing costs (step_timing.py)
+        self.kv_events: WorkerKVEvents | None = None  # rank 0, with vLLM's KV events on (kv_events.py)
         self.instance_id = ""
 
     # the engine and vLLM's tensors live in `paged`, which every part shares
@@ -125,6 +127,8 @@ class WorkerSide:
         elif config.pd_sender:
             self.pd_sender = PDSender(metadata, rank=rank, compression=config.remote_serde,
                                       timeout_s=config.blocking_timeout_secs, auth_token=config.remote_auth_token)
+        if rank == 0 and kv_events_enabled(self.vllm_config):
+            self.kv_events = WorkerKVEvents(self.engine)
         if config.enable_offload_server:
             self.offload_server = ZMQOffloadServer(self.offload, eid, rank, chunk_size=config.chunk_size,
                                                    num_slots=num_slots)
@@ -142,6 +146,8 @@ class WorkerSide:
         preempted = self.requests.saving(getattr(meta, "preempted_req_ids", ()))
         if preempted and not self.saving.wait(preempted):
             logger.error("lmcache_triton: saves of preempted requests %s did not finish", preempted)
+        if self.kv_events is not None:  # before the step's saves and loads change the tiers
+            self.kv_events.name_step(meta.requests)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.engine is None:
@@ -219,6 +225,10 @@ class WorkerSide:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.load_errors.take()
+
+    def take_kv_events(self) -> list:
+        """vLLM's events for what the tiers gained and lost since the last step (rank 0 only)."""
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def close(self) -> None:
         for name in ("pd_receiver", "pd_sender", "offload_server"):
