@@ -1,7 +1,8 @@
 """The standalone cache server behind `lm://host:port`: an LRU map of opaque values over ZMQ.
 
     python -m lmcache_triton.server.cache_server --host 127.0.0.1 --port 65432 \
-        [--max-size-gb N] [--max-value-mb M] [--max-pending-reply-mb P] [--disk DIR] [--auth-token T]
+        [--max-size-gb N] [--max-value-mb M] [--max-pending-reply-mb P] [--disk DIR] [--auth-token T] \
+        [--admin-port A]
 
 One ROUTER socket and one thread. The loop never waits on a client: requests arrive whole (ZMQ's
 I/O thread assembles them; ZMQ_MAXMSGSIZE disconnects a peer that sends an oversized frame, RCVHWM
@@ -20,6 +21,9 @@ clients store under the chunk's key) is written through as a chunk file: the dis
 and code (storage/chunk_files.py), so a server's folder and an engine's `local_disk` folder hold
 the same files. Other values live in memory only (`not_persisted`). At start the most recently used
 files that fit are reloaded, and the older ones deleted unread.
+
+With --admin-port, an HTTP admin API (admin_http.py) listens on the same host; its threads hand
+their work to this loop (loop_calls.py), which runs it between two messages: one thread, no lock.
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ import os
 import signal
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import BinaryIO
 
 import zmq
 
+from lmcache_triton import __version__
 from lmcache_triton.server import wire
+from lmcache_triton.server.admin_http import AdminAPI, AdminHTTPServer
+from lmcache_triton.server.loop_calls import LoopCalls
 from lmcache_triton.server.wire import Command, Limits, Status
 from lmcache_triton.storage.chunk_files import ChunkFiles
 from lmcache_triton.storage.chunk_header import RawHeader, SerdeError, read_raw_header
@@ -55,6 +62,7 @@ LIST_DEFAULT = 1000
 _SNDHWM = 1000  # replies queued per client before further replies to it are dropped (zmq default)
 _RCVHWM = 1024
 _DEFAULT_PENDING_REPLY_BYTES = 256 << 20
+CLIENT_WINDOW_S = 60.0  # STATS `clients`: connections that sent a request within this many seconds
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class ServerConfig:
     auth_token: str | None = field(default=None, repr=False)
     # stored values that queued GET replies may keep alive; None: min(256 MiB, max_size_bytes)
     max_pending_reply_bytes: int | None = None
+    admin_port: int | None = None  # the HTTP admin API's port (0: any free one); None: no admin API
 
     def __post_init__(self) -> None:
         if self.max_size_bytes <= 0:
@@ -74,8 +83,9 @@ class ServerConfig:
         if self.max_pending_reply_bytes is not None and self.max_pending_reply_bytes <= 0:
             raise ValueError(f"cache server pending-reply budget must be positive, got "
                              f"{self.max_pending_reply_bytes} bytes")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"cache server port must be in [0, 65535], got {self.port}")
+        for what, port in (("port", self.port), ("admin port", self.admin_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"cache server {what} must be in [0, 65535], got {port}")
 
     @property
     def pending_reply_budget(self) -> int:
@@ -102,6 +112,7 @@ class ServerStats:
     dropped_replies: int = 0
     refused_replies: int = 0  # GETs answered BUSY: the pending-reply budget was full
     not_persisted: int = 0    # --disk: PUTs of values that are not chunks, kept in memory only
+    clears: int = 0           # admin API POST /clear calls that emptied the store
 
 
 # ---- the store ----------------------------------------------------------------------------------
@@ -193,6 +204,14 @@ class Store:
         self._forget_file(key)  # also a file left unread at start (an I/O error): never a stale value
         return found
 
+    def clear(self) -> int:
+        """Deletes every entry through `delete` (its file too), and files the start left unread."""
+        removed = sum(self.delete(key) for key in list(self._lru))
+        if self.disk is not None:
+            for name in self.disk.keys():
+                self.disk.remove(name)
+        return removed
+
     def keys(self, limit: int) -> tuple[list[bytes], bool]:
         """Up to `limit` keys, most recently used first, and whether there were more."""
         out = list(itertools.islice(self._lru.newest(), limit + 1))
@@ -270,9 +289,28 @@ class ReplyBudget:
                 self.pending_bytes -= value.nbytes
 
 
+class RecentPeers:
+    """The ZMQ identities (one per client connection) that sent a request within `window_s`."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._seen: OrderedDict[bytes, float] = OrderedDict()  # oldest first
+
+    def saw(self, identity: bytes, now: float) -> None:
+        self._seen[identity] = now
+        self._seen.move_to_end(identity)
+        self.count(now)  # forgets the stale ones as it goes: memory follows the window, not the uptime
+
+    def count(self, now: float) -> int:
+        while self._seen and next(iter(self._seen.values())) < now - self.window_s:
+            self._seen.popitem(last=False)
+        return len(self._seen)
+
+
 # ---- the server ---------------------------------------------------------------------------------
 class CacheServer:
     kind = "cache server"  # what its log lines call it
+    counters = tuple(f.name for f in fields(ServerStats))  # the STATS fields that only grow
 
     def __init__(self, config: ServerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
@@ -286,6 +324,9 @@ class CacheServer:
                               name="cache server --disk")
         self.store = Store(config.max_size_bytes, self.stats, disk)
         self.replies = ReplyBudget(config.pending_reply_budget)
+        self.peers = RecentPeers(CLIENT_WINDOW_S)
+        self.calls = LoopCalls()  # what the admin API's threads ask this loop to run
+        self.admin: AdminHTTPServer | None = None
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._stop = False
@@ -307,13 +348,22 @@ class CacheServer:
         else:
             sock.bind(f"tcp://{_zmq_host(host)}:{self.config.port}")
             port = self.config.port
+        if self.config.admin_port is not None:
+            api = AdminAPI(self, self.calls, token=self.config.auth_token, loopback=_is_loopback(host))
+            try:
+                self.admin = AdminHTTPServer(host, self.config.admin_port, api)
+            except OSError:
+                sock.close(0)
+                raise
+            self.admin.start()
         self._sock = sock
         self.endpoint = f"{host}:{port}"
         reloaded = self.store.load()
         logger.info(
-            "lmcache-triton %s on tcp://%s (capacity %.3g GB, max value %.3g MB, disk %s, auth %s, "
-            "%d entries reloaded)", self.kind, self.endpoint, self.config.max_size_bytes / 1e9,
-            self.limits.max_value_bytes / 1e6, self.config.disk_dir or "off", "on" if self._auth else "off", reloaded)
+            "lmcache-triton %s on tcp://%s (capacity %.3g GB, max value %.3g MB, disk %s, auth %s, %d entries "
+            "reloaded, admin API %s)", self.kind, self.endpoint, self.config.max_size_bytes / 1e9,
+            self.limits.max_value_bytes / 1e6, self.config.disk_dir or "off", "on" if self._auth else "off", reloaded,
+            f"http://{_zmq_host(host)}:{self.admin.port}" if self.admin else "off")
         if not _is_loopback(host) and self._auth is None:
             logger.warning("%s listens on non-loopback %s without an auth token", self.kind, host)
         return self.endpoint
@@ -327,10 +377,12 @@ class CacheServer:
         sock = self._sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self.calls.fileno(), zmq.POLLIN)
         try:
             while not self._stop:
                 if not poller.poll(200):  # wake up now and then to notice stop()
                     continue
+                self.calls.run_pending()  # the admin API's requests, between two messages
                 # drain what is queued, but bounded, so stop() is noticed under constant load
                 for _ in range(256):
                     try:
@@ -339,12 +391,16 @@ class CacheServer:
                         break
                     self._handle(parts)
         finally:
+            self.calls.close()  # first: HTTP requests still waiting get their 503 now
+            if self.admin is not None:
+                self.admin.close()
             sock.close(0)
             self._sock = None
 
     # -- one message --
     def _handle(self, parts: list[zmq.Frame]) -> None:
         identity = parts[0].bytes
+        self.peers.saw(identity, time.monotonic())
         body = parts[1:]
         envelope: list[bytes] = [identity]
         if len(body) > 1 and len(body[0]) == 0:  # a REQ client's empty delimiter: echo it back
@@ -451,17 +507,31 @@ class CacheServer:
         self._arity(frames, 0, "STATS")
         return Status.OK, [json.dumps(self.stats_dict()).encode()], 0
 
+    # -- the admin API's calls (admin_http.AdminTarget), run on this loop's thread --
+    def clear(self) -> int:
+        removed = self.store.clear()
+        self.stats.clears += 1
+        logger.info("%s: the admin API's /clear removed %d entries", self.kind, removed)
+        return removed
+
+    def note_auth_failure(self) -> None:
+        self.stats.auth_failures += 1
+
     def stats_dict(self) -> dict[str, int | float | str]:
         self.replies.sweep()
+        now = time.monotonic()
         return {
             **asdict(self.stats),
             "keys": len(self.store),
+            "clients": self.peers.count(now),
+            "clients_window_s": self.peers.window_s,
             "used_bytes": self.store.used_bytes,
             "capacity_bytes": self.store.capacity,
             "pending_reply_bytes": self.replies.pending_bytes,
             "max_pending_reply_bytes": self.replies.limit,
             "max_value_bytes": self.limits.max_value_bytes,
-            "uptime_s": round(time.monotonic() - self._started, 3),
+            "uptime_s": round(now - self._started, 3),
+            "version": __version__,
             "protocol_version": wire.VERSION,
             "persistent": self.store.disk is not None,
             "disk": None if self.store.disk is None else asdict(self.store.disk.stats()),
@@ -505,6 +575,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write chunks through to DIR (the disk tier's chunk files) and reload them at start")
     p.add_argument("--auth-token", default=None,
                    help=f"require this token from clients (default: ${AUTH_TOKEN_ENV}, else no auth)")
+    p.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve the HTTP admin API (/healthcheck, /status, /metrics, POST /clear) on --host:PORT "
+                        "(default: off; docs/wire-format.md)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_server)
     return p
@@ -518,12 +591,16 @@ def add_server_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_stats_parser(subparsers) -> argparse.ArgumentParser:
-    """`lmcache-triton stats lm://host:port | http://host:port/metrics`: a running server's STATS,
-    or a vLLM worker's cache metrics (hits, misses by reason, reservations, verified hits, load-or-recompute
-    decisions and the estimates behind them), as JSON."""
+    """`lmcache-triton stats lm://host:port | http://host:port/metrics | --admin http://host:port`: a
+    running server's STATS (over ZMQ, or its admin API's /status), or a vLLM worker's cache metrics
+    (hits, misses by reason, reservations, verified hits, load-or-recompute decisions and the
+    estimates behind them), as JSON."""
     p = subparsers.add_parser("stats", help="print a cache server's or a vLLM worker's cache statistics (JSON)")
-    p.add_argument("url", help="lm://host:port (a cache server), or http://host:port/metrics (a worker's "
-                               "prometheus_port)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("url", nargs="?", help="lm://host:port (a cache server), or http://host:port/metrics (a "
+                                             "worker's prometheus_port)")
+    what.add_argument("--admin", metavar="URL", help="http://host:port: a cache server's admin API "
+                                                     "(its --admin-port); prints its /status")
     p.add_argument("--auth-token", default=None, help=f"default: ${AUTH_TOKEN_ENV}")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
     p.add_argument("--watch", type=float, metavar="SECONDS", default=None,
@@ -536,7 +613,12 @@ def add_stats_parser(subparsers) -> argparse.ArgumentParser:
 def run_stats(args: argparse.Namespace) -> int:
     from lmcache_triton.storage.remote import CacheServerClient, RemoteError, parse_lm_url
 
-    if args.url.startswith(("http://", "https://")):
+    token = args.auth_token or os.environ.get(AUTH_TOKEN_ENV)
+    if args.admin is not None:
+        from lmcache_triton.server.admin_http import fetch_status
+
+        fetch, errors, close = (lambda: fetch_status(args.admin, token, args.timeout)), (OSError, ValueError), None
+    elif args.url.startswith(("http://", "https://")):
         from lmcache_triton.observability.prometheus import scrape_engine_stats
 
         fetch, errors, close = (lambda: scrape_engine_stats(args.url, args.timeout)), (OSError, ValueError), None
@@ -546,8 +628,7 @@ def run_stats(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"lmcache-triton stats: {e}", file=sys.stderr)
             return 2
-        client = CacheServerClient(host, port, timeout_s=args.timeout,
-                                   auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV))
+        client = CacheServerClient(host, port, timeout_s=args.timeout, auth_token=token)
         fetch, errors, close = client.stats, RemoteError, client.close
     views = 0
     try:
@@ -584,7 +665,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, max_size_bytes=int(args.max_size_gb * 1e9),
         limits=Limits(max_value_bytes=int(args.max_value_mb * (1 << 20))),
         disk_dir=args.disk, auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
-        max_pending_reply_bytes=None if pending is None else int(pending * (1 << 20)))
+        max_pending_reply_bytes=None if pending is None else int(pending * (1 << 20)),
+        admin_port=args.admin_port)
 
 
 def run_server(args: argparse.Namespace) -> int:
