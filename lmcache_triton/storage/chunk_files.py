@@ -321,6 +321,7 @@ class ChunkFiles(Generic[K]):
             self._stats.puts += 1
             if self._index.touch(key) is not None:
                 return True
+        started = time.perf_counter()
         try:
             parts = serialize()  # outside the lock: the naive payload is a view, lz4 takes a while
         except (ValueError, TypeError, RuntimeError) as e:
@@ -343,6 +344,8 @@ class ChunkFiles(Generic[K]):
             self._writes -= 1
             if ok:
                 entry.writing = False
+                self._stats.written_bytes += size
+                self._stats.write_seconds += time.perf_counter() - started
                 self._index.touch(key)  # written now: the most recent, as if it had been instant
             else:
                 self._index.pop(key)
@@ -403,6 +406,7 @@ class ChunkFiles(Generic[K]):
                 self._stats.misses += 1
                 return None
         result = None
+        started = time.perf_counter()
         try:
             with open(entry.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -429,6 +433,8 @@ class ChunkFiles(Generic[K]):
                 self._stats.misses += 1
             else:
                 self._stats.hits += 1
+                self._stats.read_bytes += entry.nbytes
+                self._stats.read_seconds += time.perf_counter() - started
         if result is not None:
             try:
                 os.utime(entry.path)  # recency that survives a restart (the scan orders by mtime)

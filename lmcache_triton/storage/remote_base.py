@@ -102,6 +102,11 @@ class RemoteChunkBackend(StorageBackend):
         with self._lock:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
+    def _moved(self, bytes_field: str, nbytes: int, seconds_field: str, seconds: float) -> None:
+        with self._lock:
+            setattr(self._stats, bytes_field, getattr(self._stats, bytes_field) + nbytes)
+            setattr(self._stats, seconds_field, getattr(self._stats, seconds_field) + seconds)
+
     def _call(self, what: str, fn: Callable[[], T],
               passthrough: type[Exception] | tuple[type[Exception], ...] = ()) -> tuple[bool, T | None]:
         """(True, result) or (False, None) after counting and (once per outage) logging the error;
@@ -170,6 +175,7 @@ class RemoteChunkBackend(StorageBackend):
             return False
         if present and present[0]:  # keys name their content: already stored
             return True
+        serializing = time.perf_counter()
         try:
             data = serde.serialize(k, obj.tensor, obj.fmt, self.compression)
         except Exception as e:  # not a chunk serde can write (a caller bug), but put never raises
@@ -181,7 +187,9 @@ class RemoteChunkBackend(StorageBackend):
         if not ok:
             self._count("put_failures")
         else:  # the link's speed before any load: a chunk's bytes (in memory) over this call
-            self.cost.observe_transfer(obj.nbytes, time.perf_counter() - started)
+            done = time.perf_counter()
+            self.cost.observe_transfer(obj.nbytes, done - started)
+            self._moved("written_bytes", len(data), "write_seconds", done - serializing)
         return ok
 
     def get(self, key: CacheEngineKey, allocate: AllocateFn) -> MemoryObj | None:
@@ -224,7 +232,9 @@ class RemoteChunkBackend(StorageBackend):
             return None
         self._count("hits")
         # a load from this tier: the call and the checks that make its bytes a chunk
-        self.cost.observe_transfer(obj.nbytes, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.cost.observe_transfer(obj.nbytes, seconds)
+        self._moved("read_bytes", memoryview(data).nbytes, "read_seconds", seconds)
         return obj
 
     def remove(self, key: CacheEngineKey) -> bool:

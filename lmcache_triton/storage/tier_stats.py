@@ -24,6 +24,13 @@ class TierStats:
     misses: int = 0                  # every failed read too: a read of this tier is a hit or a miss
     errors: int = 0                  # failed I/O or calls (disk: OS errors; remote: down, timed out, rejected)
     corrupt: int = 0                 # chunks that failed their checks (a miss; deleted where ours)
+    # What a tier below the CPU one moved: chunks read into the CPU tier (checks included) and
+    # written to the tier, in bytes of KV and the seconds those calls took. The CPU tier's own
+    # copies, to and from vLLM's cache, are the engine's (LMCacheStats retrieved/stored bytes).
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    written_bytes: int = 0
+    write_seconds: float = 0.0
 
     def get(self, name: str, default: int = 0) -> int:
         """`name` as the per-tier dicts of `StorageManager.usage()` gave it (unknown: `default`).

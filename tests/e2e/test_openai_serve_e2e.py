@@ -6,25 +6,32 @@ script, with nothing but the connector's metrics port set, through `LMCACHE_PROM
 the tiny random Llama, sends a ~1000-token prompt cold, warm and streamed, and checks the three
 outputs are identical, that the warm requests were served by the connector (its
 lmcache_triton_hit_tokens_total on the metrics port, vLLM's external prefix-cache hits on the
-server's /metrics) and that the server answers OpenAI's model list.
+server's /metrics, and our own series there, labelled as vLLM's) and that the server answers
+OpenAI's model list. The same server, sent another prompt twice, is then scraped by a real
+Prometheus (Debian's `prometheus`; that test skips without it), which must find the connector's
+series on vLLM's own /metrics with vLLM's labels (model_name, engine).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from bench.dashboard import Prometheus, free_port
 from lmcache_triton.tools.models import random_prompt
 from lmcache_triton.tools.testing import stop_session
 
 CHUNK = 256  # the connector's default chunk_size: only whole chunks are saved and loaded
+PROMETHEUS = shutil.which("prometheus")
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -32,10 +39,11 @@ def _get(url: str, timeout: float = 5.0) -> str:
         return r.read().decode()
 
 
-def _metric(text: str, name: str) -> float:
-    """The sum over label sets of one metric in a Prometheus text exposition."""
+def _metric(text: str, name: str, labels: str = "") -> float:
+    """The sum over label sets of one metric in a Prometheus text exposition (those whose labels
+    include `labels`, e.g. 'tier="cpu"', when given)."""
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith((name + "{", name + " "))]
+              if line.startswith((name + "{", name + " ")) and labels in line]
     assert values, f"{name} not exported"
     return sum(values)
 
@@ -55,9 +63,9 @@ def _wait_for(check, deadline_s: float, what: str):
         time.sleep(0.5)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_openai_server_cold_warm_and_streamed_outputs_match(tiny_model, free_port, tmp_path):
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """`lmcache-triton serve` on the tiny model, started once for this module's tests."""
     openai = pytest.importorskip("openai")
     port, metrics_port = free_port(), free_port()
     script = Path(sys.executable).with_name("lmcache-triton")
@@ -68,7 +76,8 @@ def test_openai_server_cold_warm_and_streamed_outputs_match(tiny_model, free_por
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_") and k != "VLLM_CPU_KVCACHE_SPACE"}
     env.pop("TRITON_INTERPRET", None)
     env.update(LMCACHE_PROMETHEUS_PORT=str(metrics_port), LMCACHE_MAX_LOCAL_CPU_SIZE="0.25")
-    log = tmp_path / "server.log"
+    env["VLLM_LOG_STATS_INTERVAL"] = "1"  # vLLM's periodic log line every second, not 10: read below
+    log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -83,27 +92,80 @@ def test_openai_server_cold_warm_and_streamed_outputs_match(tiny_model, free_por
 
         _wait_for(healthy, 300, "the server's /health")
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120, max_retries=0)
-        model = client.models.list().data[0].id
-        prompt = " ".join(f"w{t}" for t in random_prompt(1000, seed=7))  # the word-level tokenizer: 1 word, 1 token
-
-        def complete():
-            return client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8)
-
-        cold = complete()
-        assert cold.usage.prompt_tokens == 1000
-        loadable = cold.usage.prompt_tokens // CHUNK * CHUNK
-        lmct_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        assert _metric(_get(lmct_metrics), "lmcache_triton_hit_tokens_total") == 0, "the cold request is a miss"
-        warm = complete()
-        assert _metric(_get(lmct_metrics), "lmcache_triton_hit_tokens_total") == loadable, \
-            "the warm request loads the prompt's whole chunks through the connector"
-        stream = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8, stream=True)
-        streamed = "".join(c.choices[0].text for c in stream if c.choices)
-        assert cold.choices[0].text and len(cold.choices[0].text.split()) == 8
-        assert cold.choices[0].text == warm.choices[0].text == streamed, "cold, warm and streamed outputs differ"
-        assert _metric(_get(lmct_metrics), "lmcache_triton_hit_tokens_total") == 2 * loadable
-        # vLLM's own /metrics on the server's port counts the same tokens as external prefix-cache hits
-        _wait_for(lambda: _metric(_get(base + "/metrics"), "vllm:external_prefix_cache_hits_total") == 2 * loadable,
-                  10, "vllm:external_prefix_cache_hits_total")
+        yield SimpleNamespace(base=base, port=port, client=client, model=client.models.list().data[0].id,
+                              lmct_metrics=f"http://127.0.0.1:{metrics_port}/metrics", log=log)
     finally:
         stop_session(proc)
+
+
+def _words(tokens: list[int]) -> str:
+    return " ".join(f"w{t}" for t in tokens)  # the word-level tokenizer: 1 word, 1 token
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_openai_server_cold_warm_and_streamed_outputs_match(server):
+    client, model, lmct_metrics = server.client, server.model, server.lmct_metrics
+    prompt = _words(random_prompt(1000, seed=7))
+
+    def complete():
+        return client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8)
+
+    cold = complete()
+    assert cold.usage.prompt_tokens == 1000
+    loadable = cold.usage.prompt_tokens // CHUNK * CHUNK
+    assert _metric(_get(lmct_metrics), "lmcache_triton_hit_tokens_total") == 0, "the cold request is a miss"
+    warm = complete()
+    assert _metric(_get(lmct_metrics), "lmcache_triton_hit_tokens_total") == loadable, \
+        "the warm request loads the prompt's whole chunks through the connector"
+    stream = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8, stream=True)
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    assert cold.choices[0].text and len(cold.choices[0].text.split()) == 8
+    assert cold.choices[0].text == warm.choices[0].text == streamed, "cold, warm and streamed outputs differ"
+    assert _metric(_get(lmct_metrics), "lmcache_triton_hit_tokens_total") == 2 * loadable
+    # vLLM's own /metrics on the server's port counts the same tokens as external prefix-cache hits,
+    # and, from the connector's figures, as ours, under vLLM's labels
+    vllm_metrics = server.base + "/metrics"
+    _wait_for(lambda: _metric(_get(vllm_metrics), "vllm:external_prefix_cache_hits_total") == 2 * loadable,
+              10, "vllm:external_prefix_cache_hits_total")
+    ours = f'engine="0",model_name="{model}"'
+    _wait_for(lambda: _metric(_get(vllm_metrics), "vllm:lmcache_triton_hit_tokens_total", ours) == 2 * loadable,
+              10, "vllm:lmcache_triton_hit_tokens_total")
+    text = _get(vllm_metrics)
+    assert _metric(text, "vllm:lmcache_triton_lookups_total", ours) == 3
+    assert _metric(text, "vllm:lmcache_triton_lookup_tokens_total", ours) == 3000
+    assert _metric(text, "vllm:lmcache_triton_miss_tokens_total", 'reason="never_stored"') == loadable
+    assert _metric(text, "vllm:lmcache_triton_load_bytes_total", 'tier="cpu"') == \
+        _metric(_get(lmct_metrics), "lmcache_triton_retrieved_bytes_total") > 0
+    # and vLLM's periodic log line, from the same figures
+    line = _wait_for(lambda: next((ln for ln in server.log.read_text().splitlines()
+                                   if "KV Transfer metrics: Lookups=" in ln and "Loaded cpu (MiB)=" in ln), None),
+                     10, "vLLM's log line of a warm request")
+    assert f"Hit tokens={loadable}" in line or f"Hit tokens={2 * loadable}" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(PROMETHEUS is None, reason="no `prometheus` binary: `make test` installs Debian's prometheus "
+                    "package (apt-get install prometheus); without root it cannot")
+def test_prometheus_finds_our_figures_on_vllms_own_metrics(server, tmp_path):
+    """A prompt sent twice (cold, then warm), and a real Prometheus scraping the API server's
+    /metrics: the connector's series are there under vLLM's labels, as vLLM's own are."""
+    prompt = _words(random_prompt(600, seed=8))  # 2 whole chunks and 88 tokens never saved
+    for _ in range(2):
+        server.client.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=2)
+    with Prometheus([f"127.0.0.1:{server.port}"], tmp_path / "prometheus", binary=PROMETHEUS, job="vllm") as prom:
+        hits = _wait_for(lambda: prom.query("vllm:lmcache_triton_hit_tokens_total"), 30,
+                         "Prometheus' first scrape of vllm:lmcache_triton_hit_tokens_total")
+        assert len(hits) == 1, hits
+        labels = hits[0]["metric"]
+        assert (labels["model_name"], labels["engine"], labels["job"]) == (server.model, "0", "vllm")
+        assert float(hits[0]["value"][1]) >= 512, "at least this prompt's warm hit: its 2 whole chunks"
+        # the same labels as vLLM's own series, so that one query joins them
+        joined = prom.query("vllm:lmcache_triton_hit_tokens_total / on (model_name, engine) "
+                            "vllm:external_prefix_cache_hits_total")
+        assert len(joined) == 1 and float(joined[0]["value"][1]) == 1.0, "every external hit is ours"
+        by_reason = {s["metric"]["reason"] for s in prom.query("vllm:lmcache_triton_miss_tokens_total")}
+        assert "partial_chunk" in by_reason and "never_stored" in by_reason
+        loaded = prom.query('vllm:lmcache_triton_load_bytes_total{tier="cpu"}')
+        assert len(loaded) == 1 and float(loaded[0]["value"][1]) > 0

@@ -56,6 +56,9 @@ def test_chunk_round_trip_exact_bytes(cache_server, pool, make_chunk, kv_metadat
     s = b.stats()
     assert (s.puts, s.hits, s.misses, s.errors, s.corrupt) == (1, 1, 1, 0, 0)
     assert (s.chunks, s.used_bytes, s.capacity_bytes, s.evictions) == (None,) * 4, "not known to a client"
+    # the bytes it moved are the stored chunk's (compressed, header included), once each way
+    assert s.written_bytes == s.read_bytes == len(stored)
+    assert s.write_seconds > 0 and s.read_seconds > 0
     b.close()
 
 

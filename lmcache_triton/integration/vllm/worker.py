@@ -8,6 +8,7 @@
 - verification.py: the canary that checks stored chunks against recomputed KV;
 - offload_store.py (offload_server.py): stores another process asks for;
 - inflight.py: one `InFlight` per request, from its first load or save to its last save's end;
+- vllm_stats.py: what the figures did since the last step, handed to vLLM's metrics and log line;
 - blend/mode.py: CacheBlend's engine mode (segment keys, K stored at position 0).
 
 Every engine call is guarded: a cache failure costs a miss (the blocks are reported to vLLM,
@@ -42,6 +43,7 @@ from lmcache_triton.integration.vllm.rank_engine import build_rank_engine
 from lmcache_triton.integration.vllm.saving import Saving, nothing_to_store
 from lmcache_triton.integration.vllm.step_timing import StepTimer, calibrate
 from lmcache_triton.integration.vllm.verification import verify_request
+from lmcache_triton.integration.vllm.vllm_stats import Figures, StatsTracker
 from lmcache_triton.metadata import LMCacheEngineMetadata
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ class WorkerSide:
         self.pd_sender: PDSender | None = None
         self.step_timer = StepTimer()  # vLLM's forward per step: what recomputing costs (step_timing.py)
         self.kv_events: WorkerKVEvents | None = None  # rank 0, with vLLM's KV events on (kv_events.py)
+        self.stats = StatsTracker()  # what vLLM's metrics are handed each step (vllm_stats.py)
         self.instance_id = ""
 
     # the engine and vLLM's tensors live in `paged`, which every part shares
@@ -90,6 +93,7 @@ class WorkerSide:
         """`register_kv_caches` once it asked vLLM for this worker's rank and platform: the engine
         (rank_engine.py), the parts that use it, and the servers this rank runs."""
         self.instance_id = f"vllm-{engine_id(self.vllm_config)}-{rank}"
+        self.stats = StatsTracker(rank)
         built = build_rank_engine(self.vllm_config, self.config, kv_caches, instance_id=self.instance_id, rank=rank,
                                   cpu_backend=cpu_backend, blocks_opaque=blocks_opaque)
         self.paged.engine, self.paged.kvcaches = built.engine, built.kvcaches
@@ -229,6 +233,9 @@ class WorkerSide:
     def take_kv_events(self) -> list:
         """vLLM's events for what the tiers gained and lost since the last step (rank 0 only)."""
         return self.kv_events.take() if self.kv_events is not None else []
+    def take_stats(self) -> Figures | None:
+        """What the figures did since the last call, for vLLM's metrics; None: nothing."""
+        return None if self.engine is None else self.stats.take(self.engine)
 
     def close(self) -> None:
         for name in ("pd_receiver", "pd_sender", "offload_server"):
