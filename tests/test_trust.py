@@ -151,7 +151,9 @@ def test_hundred_timed_out_lookups_leave_the_tier_storing(closing, hung):
     for i in range(100):
         # each prompt starts with the cached chunk (held), then asks the hung remote for more
         prompt = torch.cat([cached, _prompt(2, 1000 + i)])
-        assert client.lookup(prompt.tolist(), f"r{i}") == 0
+        # 0: the lookup timed out on the hung remote; CHUNK: the remote, marked slow by its missed
+        # deadlines, is skipped and the cached part alone answers (which of them depends on the load)
+        assert client.lookup(prompt.tolist(), f"r{i}") in (0, CHUNK)
         engine.release_reservation(f"r{i}")
     t0 = time.monotonic()
     for i in range(8):

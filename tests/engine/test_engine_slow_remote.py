@@ -28,7 +28,10 @@ def engine_behind_slow_link(cache_server):
     with SlowLink(upstream=("127.0.0.1", cache_server.port), rtt_ms=20, bytes_per_s=2 << 20) as link:
         config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.05,
                                                    remote_url=f"lm://127.0.0.1:{link.start()}",
-                                                   blocking_timeout_secs=10)
+                                                   blocking_timeout_secs=10,
+                                                   # the decisions, not the deadline, are tested here: a
+                                                   # loaded CI host must not stop the dear load early
+                                                   load_deadline_factor=20.0)
         metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0,
                                          kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
         engine = LMCacheEngineBuilder.get_or_create("slow-remote", config, metadata,
