@@ -11,8 +11,6 @@ output. A prompt nobody holds goes round-robin, to the other instance."""
 from __future__ import annotations
 
 import json
-import time
-import urllib.request
 
 import pytest
 
