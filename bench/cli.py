@@ -73,6 +73,8 @@ COMMANDS = {
                   "TTFT and inter-token latency on long documents and multi-round chat"),
     "slow-tier": Command(("bench.slow_tier",), "time to first token through a slow remote tier: without the "
                          "connector, load_policy always, load_policy cost", own_plot=True),
+    "kv-proxy": Command(("bench.kv_proxy",), "two vLLM instances behind lmcache-triton proxy: KV-aware routing "
+                        "against round-robin (hit rate, TTFT p50/p99)", own_plot=True),
     "prefix-cache": Command(("bench.prefix_cache",), "vLLM's own prefix cache without/with the connector as the "
                             "working set outgrows vLLM's KV pool (vllm bench serve)", own_plot=True),
 }

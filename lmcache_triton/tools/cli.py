@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)  # serve MODEL [vLLM args...]: vLLM's OpenAI server with the connector
     from lmcache_triton.tools.proxy import add_proxy_parser
 
-    add_proxy_parser(sub)  # the front of a prefill/decode deployment
+    add_proxy_parser(sub)  # KV-aware routing, or the front of a prefill/decode deployment
     # Listed for --help only: main() hands everything after `bench` to bench/cli.py untouched.
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: bench {kernels,engine,storage,e2e,compare,ttft} [args...] (needs a checkout)")

@@ -1,4 +1,5 @@
-"""`lmcache-triton proxy`: the front of a prefill/decode deployment (integration/vllm/pd.py).
+"""`lmcache-triton proxy`: the front of a prefill/decode deployment (integration/vllm/pd.py), or,
+with `--backend` and `--kv-events` instead, the KV-aware front of several instances (kv_proxy.py).
 
     lmcache-triton proxy --port 9000 --prefiller http://127.0.0.1:8100 \\
         --decoder http://127.0.0.1:8200 --decoder-pd 127.0.0.1:7300
@@ -24,11 +25,9 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-logger = logging.getLogger("lmcache_triton.proxy")
+from lmcache_triton.tools.forwarding import Forwarder, error
 
-_COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
-# Headers that describe one HTTP hop, not the content: never forwarded either way.
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+logger = logging.getLogger("lmcache_triton.proxy")
 
 
 @dataclass(frozen=True)
@@ -65,64 +64,24 @@ def prefill_body(body: dict, decoder: Decoder, req_id: str) -> dict:
     return out
 
 
-class Proxy:
+class Proxy(Forwarder):
     def __init__(self, prefillers: list[str], decoders: list[Decoder], *, timeout_s: float = 600.0) -> None:
         if not prefillers or not decoders:
             raise ValueError("the proxy needs at least one --prefiller and one --decoder")
+        super().__init__(timeout_s=timeout_s)
         self.prefillers = itertools.cycle([u.rstrip("/") for u in prefillers])
         self.decoders = itertools.cycle(decoders)
-        self.timeout_s = timeout_s
-        self.session = None
 
-    def app(self):
-        from aiohttp import web
-
-        app = web.Application(client_max_size=64 << 20)
-        for path in _COMPLETIONS:
-            app.router.add_post(path, self.completion)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
-
-    async def _start(self, app) -> None:
-        import aiohttp
-
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=10))
-
-    async def _stop(self, app) -> None:
-        if self.session is not None:
-            await self.session.close()
-
-    @staticmethod
-    def _headers(headers) -> dict[str, str]:
-        return {k: v for k, v in headers.items() if k.lower() not in _HOP}
-
-    async def health(self, request):
-        from aiohttp import web
-
-        return web.json_response({"status": "ok"})
-
-    async def models(self, request):
-        from aiohttp import web
-
-        decoder = next(self.decoders)
-        async with self.session.get(decoder.url.rstrip("/") + "/v1/models",
-                                    headers=self._headers(request.headers)) as r:
-            return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+    def models_url(self) -> str:
+        return next(self.decoders).url.rstrip("/")
 
     async def completion(self, request):
         import aiohttp
-        from aiohttp import web
 
-        try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": {"message": "the request body is not JSON"}}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "the request body must be a JSON object"}}, status=400)
-        headers = self._headers(request.headers)
+        body, bad = await self.json_body(request)
+        if body is None:
+            return bad
+        headers = self.headers(request.headers)
         decoder = next(self.decoders)
         prefiller = next(self.prefillers)
         req_id = f"pd-{uuid.uuid4().hex}"
@@ -136,43 +95,66 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError) as e:
             logger.warning("prefiller %s failed for %s (%s): the decoder computes the prompt", prefiller, req_id, e)
         try:
-            upstream = await self.session.post(decoder.url.rstrip("/") + request.path, json=body, headers=headers)
+            upstream = await self.open_upstream(decoder.url.rstrip("/"), request, body)
         except (aiohttp.ClientError, TimeoutError) as e:
-            return web.json_response({"error": {"message": f"decoder {decoder.url} unreachable: {e}"}}, status=502)
-        async with upstream:
-            response = web.StreamResponse(status=upstream.status, headers=self._headers(upstream.headers))
-            await response.prepare(request)
-            async for data in upstream.content.iter_any():
-                await response.write(data)
-            await response.write_eof()
-            return response
+            return error(502, f"decoder {decoder.url} unreachable: {e}")
+        return await self.stream_back(request, upstream)
 
 
 def add_proxy_parser(sub) -> None:
-    p = sub.add_parser("proxy", help="the OpenAI-compatible front of a prefill/decode deployment")
+    p = sub.add_parser("proxy", help="the OpenAI-compatible front of several vLLM instances: KV-aware routing "
+                                     "(--backend, --kv-events) or prefill/decode (--prefiller, --decoder)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--prefiller", action="append", required=True, metavar="URL",
-                   help="a prefill instance's base URL (repeat for several)")
-    p.add_argument("--decoder", action="append", required=True, metavar="URL",
-                   help="a decode instance's base URL (repeat for several)")
-    p.add_argument("--decoder-pd", action="append", required=True, metavar="HOST:PORT",
+    p.add_argument("--backend", action="append", metavar="URL",
+                   help="KV-aware routing: a vLLM instance's base URL (repeat for several)")
+    p.add_argument("--kv-events", action="append", metavar="ENDPOINT",
+                   help="that backend's KV event stream (vLLM's --kv-events-config endpoint, e.g. "
+                        "tcp://127.0.0.1:5557; one per --backend, by position; comma-separated for a "
+                        "backend's data-parallel ranks)")
+    p.add_argument("--prefiller", action="append", metavar="URL",
+                   help="prefill/decode: a prefill instance's base URL (repeat for several)")
+    p.add_argument("--decoder", action="append", metavar="URL",
+                   help="prefill/decode: a decode instance's base URL (repeat for several)")
+    p.add_argument("--decoder-pd", action="append", metavar="HOST:PORT",
                    help="that decoder's PD listener: its pd_peer_host and pd_peer_init_port (one per --decoder)")
     p.add_argument("--timeout", type=float, default=600.0, help="the longest one upstream request may take, seconds")
     p.set_defaults(func=cmd_proxy)
 
 
+def build_proxy(args: argparse.Namespace) -> Forwarder:
+    """The proxy the arguments ask for; ValueError naming what is missing or mixed."""
+    kv, pd = bool(args.backend or args.kv_events), bool(args.prefiller or args.decoder or args.decoder_pd)
+    if kv and pd:
+        raise ValueError("give either --backend/--kv-events (KV-aware routing) or --prefiller/--decoder/--decoder-pd "
+                         "(prefill/decode), not both")
+    if kv:
+        from lmcache_triton.tools.kv_proxy import KVProxy
+
+        if not args.backend:
+            raise ValueError("--kv-events needs its --backend (one --kv-events per --backend)")
+        endpoints = [[e.strip() for e in text.split(",") if e.strip()] for text in args.kv_events or []]
+        bad = [e for eps in endpoints for e in eps if not e.startswith(("tcp://", "ipc://"))]
+        if bad or any(not eps for eps in endpoints):
+            raise ValueError(f"--kv-events must be a ZMQ endpoint such as tcp://HOST:PORT, got {bad or args.kv_events}")
+        return KVProxy(args.backend, endpoints, timeout_s=args.timeout)
+    if not args.prefiller or not args.decoder or not args.decoder_pd:
+        raise ValueError("give --backend and --kv-events (KV-aware routing), or --prefiller, --decoder and "
+                         "--decoder-pd (prefill/decode)")
+    if len(args.decoder) != len(args.decoder_pd):
+        raise ValueError(f"give one --decoder-pd per --decoder ({len(args.decoder)} decoders, "
+                         f"{len(args.decoder_pd)} --decoder-pd)")
+    decoders = [Decoder(url, *parse_pd_address(pd)) for url, pd in zip(args.decoder, args.decoder_pd)]
+    return Proxy(args.prefiller, decoders, timeout_s=args.timeout)
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    if len(args.decoder) != len(args.decoder_pd):
-        raise SystemExit(f"give one --decoder-pd per --decoder ({len(args.decoder)} decoders, "
-                         f"{len(args.decoder_pd)} --decoder-pd)")
     try:
-        decoders = [Decoder(url, *parse_pd_address(pd)) for url, pd in zip(args.decoder, args.decoder_pd)]
+        proxy = build_proxy(args)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        raise SystemExit(f"lmcache-triton proxy: {e}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    proxy = Proxy(args.prefiller, decoders, timeout_s=args.timeout)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
     return 0
