@@ -26,7 +26,8 @@ class RequestState:
     # What the last lookup decided; each lookup (vLLM asks again while the request waits, and
     # after a preemption) decides anew.
     lookup_pending: bool = False      # an asynchronous lookup not answered yet
-    uncacheable: bool = False         # a prompt given as embeddings: never loaded or saved
+    uncacheable: bool = False         # declined for a reason that forbids saving too (declines.py)
+    declined: str | None = None       # why the connector left it to vLLM (counted once, kept)
     load_spec: LoadSpec | None = None  # sent with the request's next scheduled step, then None
     verify_tokens: int = 0            # a hit vLLM recomputes to check (verify_hit_rate); to the tracker
     # The prompt's token chain and span hashes (what a lookup sends), hashed at its first lookup.

@@ -23,6 +23,7 @@ from typing import Any
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.config_fields import TRUE_WORDS
 from lmcache_triton.integration.vllm.common import engine_id, world_size
+from lmcache_triton.integration.vllm.declines import also_unsaved, load_decline
 from lmcache_triton.integration.vllm.kv_events import SchedulerKVEvents, kv_events_enabled
 from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
 from lmcache_triton.integration.vllm.request_state import RequestState
@@ -100,6 +101,9 @@ class SchedulerSide:
         # Lookups answered (or abandoned) since the last step: the workers release their
         # reservations once that step's loads are done.
         self.lookups_in_step: list[str] = []
+        # Requests left to vLLM since the last step, (reason, prompt tokens): counted by rank 0 (declines.py).
+        self.declined_in_step: list[tuple[str, int]] = []
+        self.model_decline: str | None = None  # set when the model is one the connector cannot serve
         # CacheBlend keys segments, not a prefix chain: its lookups and metadata carry token ids.
         self.use_chains = not config.enable_blending
         self.rules = StepRules(block_size=vllm_config.cache_config.block_size, chunk_size=config.chunk_size,
@@ -125,9 +129,12 @@ class SchedulerSide:
         req_id = request.request_id
         state = self._state(req_id)
         state.new_lookup()
-        if getattr(request, "prompt_embeds", None) is not None:
-            # The tokens' KV comes from embeddings we cannot key by token ids: never served, never saved.
-            state.uncacheable = True
+        reason = self.model_decline or load_decline(request)
+        if reason is not None:  # left to vLLM, counted once per request (declines.py)
+            state.uncacheable = also_unsaved(reason)
+            if state.declined is None:
+                state.declined = reason
+                self.declined_in_step.append((reason, request.num_tokens))
             return 0, False
         if _truthy((_request_configs(request) or {}).get("lmcache.skip_load")):
             return 0, False  # the request asked to compute its prompt (kv_transfer_params); it still saves
@@ -185,6 +192,7 @@ class SchedulerSide:
         # scheduler_output.finished_req_ids is not read: request_finished, which vLLM calls first
         # for each of them, has removed their state (request_state.py).
         lookups, self.lookups_in_step = self.lookups_in_step, []
+        declined, self.declined_in_step = self.declined_in_step, []
         requests: list[ReqMeta] = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._state(new.req_id)
@@ -211,7 +219,7 @@ class SchedulerSide:
             self._plan(state, load_spec, requests)
         return LMCacheConnectorMetadata(
             requests=requests, lookup_requests_in_step=lookups,
-            preempted_req_ids=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+            preempted_req_ids=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()), declined=declined,
             num_scheduled_tokens=sum(scheduler_output.num_scheduled_tokens.values()))
 
     def _new_tracker(self, new: Any, state: RequestState, num_tokens: int, load_spec: LoadSpec | None

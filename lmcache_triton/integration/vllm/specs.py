@@ -250,7 +250,8 @@ class LMCacheConnectorMetadata(KVConnectorMetadata):
     lookup_requests_in_step: tuple[str, ...] = ()
     preempted_req_ids: tuple[str, ...] = ()
     num_scheduled_tokens: int = 0  # the step's tokens, all requests: the forward the workers time
+    declined: tuple[tuple[str, int], ...] = ()  # (reason, prompt tokens) of requests left to vLLM (declines.py)
 
     def __post_init__(self) -> None:
-        for name in ("requests", "lookup_requests_in_step", "preempted_req_ids"):
+        for name in ("requests", "lookup_requests_in_step", "preempted_req_ids", "declined"):
             object.__setattr__(self, name, tuple(getattr(self, name)))

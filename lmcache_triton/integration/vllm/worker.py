@@ -31,6 +31,7 @@ import torch
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.engine.engine import LMCacheEngineBuilder
 from lmcache_triton.integration.vllm.common import cpu_blocks_opaque, engine_id, is_cpu_platform
+from lmcache_triton.integration.vllm import declines
 from lmcache_triton.integration.vllm.inflight import InFlightRequests
 from lmcache_triton.integration.vllm.kv_events import WorkerKVEvents, kv_events_enabled
 from lmcache_triton.integration.vllm.loading import Loader, LoadErrors
@@ -152,6 +153,8 @@ class WorkerSide:
             logger.error("lmcache_triton: saves of preempted requests %s did not finish", preempted)
         if self.kv_events is not None:  # before the step's saves and loads change the tiers
             self.kv_events.name_step(meta.requests)
+        if getattr(meta, "declined", ()) and self.stats.rank == 0 and self.engine is not None:
+            declines.count(self.engine, meta.declined)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.engine is None:

@@ -90,6 +90,37 @@ def test_prompt_embeds_are_never_looked_up_or_saved():
     side.update_state_after_alloc(req, None, 0)
     meta = side.build_connector_meta(output(new=[new_req(req, range(8))], scheduled={"r": 4 * CHUNK}))
     assert meta.requests == (), "nothing saved"
+    assert meta.declined == (("prompt_embeds", 4 * CHUNK),), "counted once, with the prompt's tokens"
+
+
+def test_prompt_logprobs_are_never_loaded_but_saved_and_counted_once():
+    """vLLM's own prefix cache skips a request that wants its prompt's logprobs: so do we (only a
+    prefill of every prompt token gives them); the KV it computes is exact, so it is saved."""
+    from types import SimpleNamespace
+
+    side = scheduler(hit=3 * CHUNK)
+    req = request(sampling_params=SimpleNamespace(prompt_logprobs=0), skip_reading_prefix_cache=True)
+    for _ in range(3):  # vLLM asks again while the request waits: one decline
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.lookup_client.calls == []
+    side.update_state_after_alloc(req, None, 0)
+    meta = side.build_connector_meta(output(new=[new_req(req, range(8))], scheduled={"r": 4 * CHUNK}))
+    assert meta.declined == (("prompt_logprobs", 4 * CHUNK),)
+    (saved,) = meta.requests
+    assert saved.save_spec.can_save and saved.load_spec is None
+    assert side.build_connector_meta(output()).declined == (), "each decline is sent once"
+
+
+def test_a_declined_request_is_counted_by_rank_0_as_a_miss_of_its_reason(closing):
+    from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata
+    from worker_stubs import real_engine, worker
+
+    engine = real_engine(closing)
+    meta = LMCacheConnectorMetadata(declined=(("prompt_logprobs", 100),))
+    side = worker(meta, engine)
+    side.before_step(meta)
+    stats = engine.get_stats()
+    assert stats.miss_tokens == {"prompt_logprobs": 100} and stats.lookup_tokens == 100 and stats.hit_tokens == 0
 
 
 def test_lookup_carries_salt_adapter_and_multimodal_spans(tmp_path):

@@ -1,0 +1,47 @@
+"""Requests and models the connector leaves to vLLM, and why: each is a counted miss reason.
+
+A decline is decided on the scheduler side, which sees vLLM's request; it is counted by rank 0's
+engine (the step's metadata carries it), so the figures reach the connector's Prometheus exporter
+and vLLM's own /metrics like any other miss (`lmcache_triton_miss_tokens_total{reason}`).
+
+- `prompt_logprobs`: the request wants the logprobs of its prompt, which only a prefill of every
+  prompt token gives. vLLM's own prefix cache skips such requests (`skip_reading_prefix_cache`),
+  and so do we: no lookup, no load. Their KV is computed exactly, so it is still saved.
+- `skip_prefix_cache`: the request asked vLLM to skip its prefix cache for another reason.
+- `prompt_embeds`: a prompt given as embeddings has no token ids to key it by: neither loaded nor saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DECLINE_PROMPT_LOGPROBS = "prompt_logprobs"
+DECLINE_SKIP_PREFIX_CACHE = "skip_prefix_cache"
+DECLINE_PROMPT_EMBEDS = "prompt_embeds"
+DECLINE_UNSUPPORTED_MODEL = "unsupported_model"
+DECLINE_MULTIMODAL = "multimodal"
+
+
+def load_decline(request: Any) -> str | None:
+    """Why `request`'s prompt must not be loaded (None: it may be)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return DECLINE_PROMPT_EMBEDS
+    params = getattr(request, "sampling_params", None)
+    if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+        return DECLINE_PROMPT_LOGPROBS
+    if getattr(request, "skip_reading_prefix_cache", False):
+        return DECLINE_SKIP_PREFIX_CACHE
+    return None
+
+
+def also_unsaved(reason: str) -> bool:
+    """Whether a request declined for `reason` must not be saved either (its KV is not keyed by
+    its token ids alone)."""
+    return reason in (DECLINE_PROMPT_EMBEDS, DECLINE_UNSUPPORTED_MODEL, DECLINE_MULTIMODAL)
+
+
+def count(engine: Any, declined: tuple[tuple[str, int], ...]) -> None:
+    """Rank 0's engine counts the step's declined requests: a lookup that found nothing, its prompt's
+    tokens missed for the decline's reason."""
+    for reason, tokens in declined:
+        engine.stats_monitor.on_lookup(tokens, 0, misses={reason: tokens})
