@@ -15,45 +15,19 @@ then a prompt B of as many, which makes the CPU tier evict A's oldest chunks. Ch
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from lmcache_triton.tools.models import random_prompt
 from lmcache_triton.tools.testing import stop_session
+from test_openai_serve_e2e import _get, _metric, _wait_for
+from test_pd_e2e import _cli, _healthy, _start
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * 2 * 32 * 2 * CHUNK  # K and V, 2 layers, 2 KV heads of 32, bfloat16
-
-
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    return total if found else 0.0
-
-
-def _until(check, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Subscriber:
@@ -109,32 +83,18 @@ def test_router_sees_vllms_own_hashes_for_our_chunks_and_exactly_the_evicted_one
     remote = start_cache_server("--auth-token", "the-right-token")
     port, metrics_port, events_port = free_port(), free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{events_port}"
-    script = Path(sys.executable).with_name("lmcache-triton")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_triton.tools.cli"]
-    cmd += ["serve", tiny_model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-            "--enable-prefix-caching", "--kv-events-config",
-            json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"})]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env.pop("TRITON_INTERPRET", None)
-    env.update(LMCACHE_PROMETHEUS_PORT=str(metrics_port), VLLM_CPU_KVCACHE_SPACE="1",
-               LMCACHE_MAX_LOCAL_CPU_SIZE=str(4.5 * CHUNK_BYTES / (1 << 30)),
-               LMCACHE_REMOTE_URL=remote.url, LMCACHE_REMOTE_AUTH_TOKEN="a-wrong-token",
-               LMCACHE_BLOCKING_TIMEOUT_SECS="2")
+    cmd = _cli() + ["serve", tiny_model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+                    "--enable-prefix-caching", "--kv-events-config",
+                    json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"})]
     log = tmp_path / "server.log"
     sub = Subscriber(endpoint)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = _start(cmd, dict(LMCACHE_PROMETHEUS_PORT=str(metrics_port),
+                            LMCACHE_MAX_LOCAL_CPU_SIZE=str(4.5 * CHUNK_BYTES / (1 << 30)),
+                            LMCACHE_REMOTE_URL=remote.url, LMCACHE_REMOTE_AUTH_TOKEN="a-wrong-token",
+                            LMCACHE_BLOCKING_TIMEOUT_SECS="2"), log)
     base = f"http://127.0.0.1:{port}"
     try:
-        def healthy():
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-            try:
-                return _get(base + "/health", timeout=2) is not None
-            except OSError:
-                return False
-
-        _until(healthy, 300, "the server's /health")
+        _wait_for(_healthy(proc, base, log), 300, "the server's /health")
         time.sleep(0.5)  # the publisher's connection joins a little after the bind
 
         def complete(seed: int, n: int) -> list[int]:
@@ -148,13 +108,8 @@ def test_router_sees_vllms_own_hashes_for_our_chunks_and_exactly_the_evicted_one
 
         n = 3 * CHUNK + 50
         complete(1, n)
-        try:
-            stored_a = _until(lambda: len(sub.of("BlockStored", "CPU")) >= 3 and sub.of("BlockStored", "CPU"), 30,
-                              "the connector's BlockStored for A's three chunks")
-        except AssertionError:
-            print("EVENTS", [(type(e).__name__, getattr(e, "medium", None)) for e in sub.events])
-            print("LOG", log.read_text()[-5000:])
-            raise
+        stored_a = _wait_for(lambda: len(sub.of("BlockStored", "CPU")) >= 3 and sub.of("BlockStored", "CPU"), 30,
+                             "the connector's BlockStored for A's three chunks")
         gpu = sub.of("BlockStored", "GPU")
         block_size = gpu[0].block_size
         per_chunk = CHUNK // block_size
@@ -168,12 +123,12 @@ def test_router_sees_vllms_own_hashes_for_our_chunks_and_exactly_the_evicted_one
 
         complete(2, n)  # three more chunks into a tier of ~4.5: A's oldest go
         lmct = f"http://127.0.0.1:{metrics_port}/metrics"
-        stored = _until(lambda: len(sub.of("BlockStored", "CPU")) >= 6 and sub.of("BlockStored", "CPU"), 30,
-                        "the connector's BlockStored for B's chunks")
-        evicted = int(_until(lambda: _metric(_get(lmct), "lmcache_triton_evictions_total", tier="cpu"), 30,
-                             "a CPU-tier eviction"))
-        removed = _until(lambda: len(_flat(sub.of("BlockRemoved", "CPU"))) >= evicted * per_chunk
-                         and sub.of("BlockRemoved", "CPU"), 30, "BlockRemoved for the evicted chunks")
+        stored = _wait_for(lambda: len(sub.of("BlockStored", "CPU")) >= 6 and sub.of("BlockStored", "CPU"), 30,
+                           "the connector's BlockStored for B's chunks")
+        evicted = int(_wait_for(lambda: _metric(_get(lmct), "lmcache_triton_evictions_total", 'tier="cpu"'), 30,
+                                "a CPU-tier eviction"))
+        _wait_for(lambda: len(_flat(sub.of("BlockRemoved", "CPU"))) >= evicted * per_chunk, 30,
+                  "BlockRemoved for the evicted chunks")
         time.sleep(1)  # nothing more may come
         removed = sub.of("BlockRemoved", "CPU")
         assert 1 <= evicted <= 3

@@ -38,7 +38,7 @@ def _cli() -> list[str]:
 def _start(cmd: list[str], env_extra: dict[str, str], log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env.pop("TRITON_INTERPRET", None)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", LMCACHE_MAX_LOCAL_CPU_SIZE="0.25", **env_extra)
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_MAX_LOCAL_CPU_SIZE": "0.25"} | env_extra)
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

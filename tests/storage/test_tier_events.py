@@ -4,8 +4,6 @@ placements: a store is reported once it is readable, every way a chunk leaves is
 
 from __future__ import annotations
 
-import pytest
-
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.storage.manager import CPU_TIER, StorageManager
 from lmcache_triton.storage.tier_events import REMOVED, STORED, TierEventLog
@@ -24,17 +22,9 @@ def _seen(log):
     return [(e.kind, e.tier, e.key.chunk_hash) for e in log.drain()]
 
 
-@pytest.fixture
-def managers():
-    made = []
-    yield made
-    for m in made:
-        m.close()
-
-
-def test_cpu_tier_reports_stores_evictions_removals_and_clears(kv_metadata, make_chunk, managers):
+def test_cpu_tier_reports_stores_evictions_removals_and_clears(kv_metadata, make_chunk, closing):
     m = _manager(kv_metadata, cpu_chunks=3)
-    managers.append(m)
+    closing.append(m)
     log = m.watch()
     assert m.watch() is log, "one log per manager"
     keys = []
@@ -59,10 +49,10 @@ def test_cpu_tier_reports_stores_evictions_removals_and_clears(kv_metadata, make
     assert sorted(_seen(log)) == sorted((REMOVED, CPU_TIER, k.chunk_hash) for k in (keys[2], fourth))
 
 
-def test_disk_tier_reports_written_chunks_its_evictions_and_corrupt_files(kv_metadata, make_chunk, managers,
+def test_disk_tier_reports_written_chunks_its_evictions_and_corrupt_files(kv_metadata, make_chunk, closing,
                                                                            tmp_path):
     m = _manager(kv_metadata, tmp_path, disk_chunks=2)
-    managers.append(m)
+    closing.append(m)
     log = m.watch()
     disk = m.tiers[0].name
     keys = []
@@ -86,9 +76,9 @@ def test_disk_tier_reports_written_chunks_its_evictions_and_corrupt_files(kv_met
     assert (REMOVED, disk, keys[1].chunk_hash) in _seen(log)
 
 
-def test_a_failed_write_through_reports_nothing(kv_metadata, make_chunk, managers, tmp_path):
+def test_a_failed_write_through_reports_nothing(kv_metadata, make_chunk, closing, tmp_path):
     m = _manager(kv_metadata, tmp_path, disk_chunks=2)
-    managers.append(m)
+    closing.append(m)
     log = m.watch()
     m.tiers[0].capacity = 0  # no file ever fits: every write-through fails
     obj, key = make_chunk(m, 7)
