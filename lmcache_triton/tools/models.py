@@ -1,6 +1,7 @@
-"""Small Llama models built locally (no downloads), for the demo, the tests and the benches.
+"""Small Llama (and Mistral) models built locally (no downloads), for the demo, the tests and the benches.
 
 - `build_random_llama`: random weights and a word-level tokenizer; for speed and byte-exactness checks.
+- `build_random_mistral`: the same with sliding-window attention in every layer.
 - `train_llama`: a small Llama trained here on CPU (a few minutes) on the Python standard library's
   sources and docstrings, with a byte-level BPE tokenizer trained on the same text; for quality
   measurements (CacheBlend's), where random weights mean little.
@@ -42,29 +43,41 @@ class TinyLlamaSpec:
 def build_random_llama(path: str | Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
     """Writes a bf16 Llama with random weights and a word-level tokenizer ("w4 w5 ...") to `path`,
     once: a folder holding the same spec is reused."""
+    return _build_random(path, spec, "llama")
+
+
+def build_random_mistral(path: str | Path, sliding_window: int, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
+    """`build_random_llama`'s model as a Mistral whose every layer attends to its last
+    `sliding_window` tokens only (Mistral-7B-v0.1's shape; vLLM gives it a SlidingWindowSpec)."""
+    return _build_random(path, spec, "mistral", sliding_window=sliding_window)
+
+
+def _build_random(path: str | Path, spec: TinyLlamaSpec, arch: str, **extra: int) -> Path:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
     marker = path / "lmcache_triton_spec.json"
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    recipe = asdict(spec) | ({"arch": arch, **extra} if arch != "llama" else {})
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (MistralConfig, MistralForCausalLM)
+    config = config_cls(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+        pad_token_id=0, tie_word_embeddings=False, torch_dtype="bfloat16", **extra)
+    model_cls(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {f"w{i}": i for i in range(4, spec.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                             pad_token="<pad>").save_pretrained(path)
-    marker.write_text(json.dumps(asdict(spec)))
+    marker.write_text(json.dumps(recipe))
     return path
 
 

@@ -87,3 +87,27 @@ def test_trains_under_a_callers_inference_mode(tmp_path):
     with torch.inference_mode():
         path = train_llama(SMOKE_RECIPE, tmp_path, log=lambda msg: None)
     assert trained_model_info(path)["loss_curve"], "trained"
+
+
+def test_random_mistral_attends_to_its_window_and_is_kept_apart_from_the_llama(tmp_path):
+    """A sliding-window Mistral transformers loads, whose window changes the logits of a prompt
+    longer than it; the folder's marker names the architecture and window, so the same folder
+    rebuilds for another window and never passes for the Llama."""
+    from transformers import MistralForCausalLM
+
+    from lmcache_triton.tools.models import TinyLlamaSpec, build_random_llama, build_random_mistral
+
+    spec = TinyLlamaSpec(num_hidden_layers=1)
+    path = build_random_mistral(tmp_path / "m", sliding_window=8, spec=spec)
+    model = MistralForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.sliding_window == 8
+    ids = torch.arange(4, 36).unsqueeze(0)
+    full = MistralForCausalLM.from_pretrained(path, dtype=torch.float32, sliding_window=None).eval()
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits[0, -1], full(ids).logits[0, -1]), "the window matters"
+    marker = path / "lmcache_triton_spec.json"
+    assert json.loads(marker.read_text())["sliding_window"] == 8
+    build_random_mistral(path, sliding_window=16, spec=spec)
+    assert json.loads(marker.read_text())["sliding_window"] == 16, "another window: rebuilt"
+    build_random_llama(path, spec)
+    assert "arch" not in json.loads(marker.read_text()), "the Llama's folder is the Llama's"

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from lmcache_triton.integration.vllm import vllm_stats
 from lmcache_triton.integration.vllm.common import resolve_config
+from lmcache_triton.integration.vllm.model_support import check_model, log_support
 from lmcache_triton.integration.vllm.scheduler import SchedulerSide
 from lmcache_triton.integration.vllm.worker import WorkerSide
 
@@ -114,9 +115,16 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = resolve_config(vllm_config)
+        # Both sides get the model's KV cache groups: a model whose state the connector cannot
+        # restore is left to vLLM whole (model_support.py), by the scheduler and the workers alike.
+        self.model = check_model(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config.kv_transfer_config)
+            log_support(self.model, vllm_config)
         self._scheduler = SchedulerSide(vllm_config, config) if role == KVConnectorRole.SCHEDULER else None
+        if self._scheduler is not None:
+            self._scheduler.model_decline = self.model.decline
+            self._scheduler.sliding_window = self.model.sliding_window
         self._worker = WorkerSide(vllm_config, config, self) if role == KVConnectorRole.WORKER else None
 
     @property
@@ -133,6 +141,8 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
                 logger.exception("lmcache_triton: preparing the step failed")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.model.decline is not None:
+            return  # no engine: every worker call is then a no-op, nothing is stored (model_support.py)
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -9,6 +9,12 @@ and vLLM's own /metrics like any other miss (`lmcache_triton_miss_tokens_total{r
   and so do we: no lookup, no load. Their KV is computed exactly, so it is still saved.
 - `skip_prefix_cache`: the request asked vLLM to skip its prefix cache for another reason.
 - `prompt_embeds`: a prompt given as embeddings has no token ids to key it by: neither loaded nor saved.
+- `multimodal`: an image (audio, video) input without vLLM's content hash or placeholder position:
+  the keys could not tell it from another input over the same placeholder tokens.
+- `unsupported_model`: the model's KV cache is not one the connector can restore (model_support.py):
+  every request of it. Its workers build no engine, so these are in the scheduler's log line only.
+- `sliding_window`: a sliding-window model's request longer than the window: vLLM frees its blocks
+  as they leave the window, before a save could read them (model_support.py).
 """
 
 from __future__ import annotations
@@ -20,12 +26,32 @@ DECLINE_SKIP_PREFIX_CACHE = "skip_prefix_cache"
 DECLINE_PROMPT_EMBEDS = "prompt_embeds"
 DECLINE_UNSUPPORTED_MODEL = "unsupported_model"
 DECLINE_MULTIMODAL = "multimodal"
+DECLINE_SLIDING_WINDOW = "sliding_window"
 
 
-def load_decline(request: Any) -> str | None:
-    """Why `request`'s prompt must not be loaded (None: it may be)."""
+def _unkeyed_input(request: Any) -> bool:
+    """A multimodal input the keys cannot name: without a content hash its placeholder tokens are
+    the same for every image."""
+    for feature in getattr(request, "mm_features", None) or ():
+        position = getattr(feature, "mm_position", None)
+        if not getattr(feature, "identifier", None) or getattr(position, "offset", None) is None \
+                or getattr(position, "length", None) is None:
+            return True
+    return False
+
+
+def load_decline(request: Any, sliding_window: int | None = None) -> str | None:
+    """Why `request`'s prompt must not be loaded (None: it may be). `sliding_window`: the model's
+    window where vLLM frees the blocks that leave it (model_support.py)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return DECLINE_PROMPT_EMBEDS
+    if _unkeyed_input(request):
+        return DECLINE_MULTIMODAL
+    if sliding_window is not None:
+        prompt = getattr(request, "num_prompt_tokens", None) or request.num_tokens
+        max_tokens = getattr(request, "max_tokens", None)
+        if max_tokens is None or prompt + max_tokens > sliding_window:
+            return DECLINE_SLIDING_WINDOW
     params = getattr(request, "sampling_params", None)
     if params is not None and getattr(params, "prompt_logprobs", None) is not None:
         return DECLINE_PROMPT_LOGPROBS
@@ -37,7 +63,7 @@ def load_decline(request: Any) -> str | None:
 def also_unsaved(reason: str) -> bool:
     """Whether a request declined for `reason` must not be saved either (its KV is not keyed by
     its token ids alone)."""
-    return reason in (DECLINE_PROMPT_EMBEDS, DECLINE_UNSUPPORTED_MODEL, DECLINE_MULTIMODAL)
+    return reason in (DECLINE_PROMPT_EMBEDS, DECLINE_UNSUPPORTED_MODEL, DECLINE_MULTIMODAL, DECLINE_SLIDING_WINDOW)
 
 
 def count(engine: Any, declined: tuple[tuple[str, int], ...]) -> None:

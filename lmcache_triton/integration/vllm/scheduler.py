@@ -104,6 +104,7 @@ class SchedulerSide:
         # Requests left to vLLM since the last step, (reason, prompt tokens): counted by rank 0 (declines.py).
         self.declined_in_step: list[tuple[str, int]] = []
         self.model_decline: str | None = None  # set when the model is one the connector cannot serve
+        self.sliding_window: int | None = None  # set when vLLM frees the blocks leaving it (model_support.py)
         # CacheBlend keys segments, not a prefix chain: its lookups and metadata carry token ids.
         self.use_chains = not config.enable_blending
         self.rules = StepRules(block_size=vllm_config.cache_config.block_size, chunk_size=config.chunk_size,
@@ -124,12 +125,13 @@ class SchedulerSide:
 
     # ---- vLLM scheduler hooks ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.kv_role == "kv_producer":
-            return 0, False
         req_id = request.request_id
         state = self._state(req_id)
         state.new_lookup()
-        reason = self.model_decline or load_decline(request)
+        reason = self.model_decline or load_decline(request, self.sliding_window)
+        if self.kv_role == "kv_producer":  # loads nothing; whether it may save is decided all the same
+            state.uncacheable = reason is not None and also_unsaved(reason)
+            return 0, False
         if reason is not None:  # left to vLLM, counted once per request (declines.py)
             state.uncacheable = also_unsaved(reason)
             if state.declined is None:

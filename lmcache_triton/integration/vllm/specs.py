@@ -109,7 +109,8 @@ def mm_spans(mm_hashes: list[str] | None, mm_positions: list[Any] | None) -> lis
     folds in the hashes of the inputs its tokens overlap (chunk or CacheBlend segment alike)."""
     if not mm_hashes or not mm_positions:
         return None
-    return [(int(pos.offset), int(pos.length), str(h)) for h, pos in zip(mm_hashes, mm_positions)]
+    # An input without a position is never keyed: its request is declined (declines.py), this only must not fail.
+    return [(int(pos.offset), int(pos.length), str(h)) for h, pos in zip(mm_hashes, mm_positions) if pos is not None]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What the scheduler side's tests drive it with, shaped like vLLM's (0.32) objects: a stub lookup
 client (the only part replaced: the lookup server lives in the workers), requests, and each
-step's SchedulerOutput. Nothing here imports vLLM."""
+step's SchedulerOutput. Nothing here imports vLLM but `vllm_request`, which builds vLLM's own
+Request for the tests that have vLLM."""
 
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def request(req_id="r", n=4 * CHUNK, **kw) -> SimpleNamespace:
     prompt = list(range(n))
     return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, all_token_ids=list(prompt), num_tokens=n,
                            **fields)
+
+
+def vllm_request(req_id: str, prompt: list[int], image: str, offset: int, length: int, max_tokens: int = 4):
+    """vLLM's own Request, with one image (content hash `image`) over tokens [offset, offset + length)."""
+    from vllm import SamplingParams
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier=image,
+                                    mm_position=PlaceholderRange(offset=offset, length=length), mm_hash=image)
+    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), None, mm_features=[feature])
 
 
 def new_req(request, blocks, computed=0) -> SimpleNamespace:

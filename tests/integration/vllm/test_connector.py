@@ -121,3 +121,63 @@ def test_a_config_without_the_policy_is_left_alone():
     older = SimpleNamespace(kv_role="kv_both")  # a vLLM before kv_load_failure_policy
     _recompute_failed_loads(older)
     assert not hasattr(older, "kv_load_failure_policy")
+
+
+# ---- multimodal: the same placeholder tokens with another image never share KV -----------------------------
+class EngineLookup:
+    """The lookup client asking the real engine itself (the lookup server's call, without its socket)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def lookup(self, tokens, lookup_id, **scope):
+        return self.engine.lookup(tokens, **scope)
+
+    def clear_lookup_status(self, lookup_id):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_request_with_another_image_loads_only_the_chunks_before_it(closing):
+    """vLLM's Requests with the same token ids (the image's placeholder ids too) and two images,
+    through both sides and a real engine: image A's prompt is stored; with image B the lookup finds
+    and the worker loads the chunk before the placeholder only, never A's chunks from the
+    placeholder's on; image A again loads them all, byte for byte."""
+    pytest.importorskip("vllm", reason="vLLM's Request and MultiModalFeatureSpec")
+    from scheduler_stubs import vllm_request
+
+    from lmcache_triton.kernels import paged_gather
+    from lmcache_triton.tools.testing import make_kv_caches
+
+    n, image_at = 4 * CHUNK + 5, CHUNK + 8
+    prompt = [7] * image_at + [9] * 32 + [11] * (n - image_at - 32)  # [9] * 32: the placeholder ids
+    engine = real_engine(closing)
+    src = make_kv_caches("vllm_cpu", generator=torch.Generator().manual_seed(0), **GEO)
+    sched = scheduler(hit=0)
+    sched.lookup_client = EngineLookup(engine)
+
+    def run(req, caches, first_block):
+        for meta in prefill(sched, req, range(first_block, first_block + n // BLOCK + 1), step=n):
+            side = stub_worker(meta, StubEngine())
+            side.engine, side.kvcaches = engine, caches
+            side.start_load_kv(None)
+            save(side)
+        return engine.get_stats().hit_tokens
+
+    run(vllm_request("a", prompt, "image-a", image_at, 32), src, 0)
+    assert engine.get_stats().stored_tokens == 4 * CHUNK
+    slots = lambda first_block, start, end: torch.arange(first_block * BLOCK + start, first_block * BLOCK + end)  # noqa: E731
+
+    other = make_kv_caches("vllm_cpu", fill=0, **GEO)
+    assert run(vllm_request("b", prompt, "image-b", image_at, 32), other, 16) == CHUNK, \
+        "image B hits the chunk before its placeholder only"
+    assert torch.equal(paged_gather(other, slots(16, 0, CHUNK), "vllm_cpu"), paged_gather(src, slots(0, 0, CHUNK),
+                                                                                         "vllm_cpu"))
+    assert not paged_gather(other, slots(16, CHUNK, 4 * CHUNK), "vllm_cpu").any(), "none of A's chunks from the image on"
+
+    same = make_kv_caches("vllm_cpu", fill=0, **GEO)
+    assert run(vllm_request("a2", prompt, "image-a", image_at, 32), same, 16) == CHUNK + 4 * CHUNK
+    assert torch.equal(paged_gather(same, slots(16, 0, 4 * CHUNK), "vllm_cpu"),
+                       paged_gather(src, slots(0, 0, 4 * CHUNK), "vllm_cpu"))
