@@ -175,8 +175,9 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
 
     # ---- vLLM's metrics (vllm_stats.py) ----------------------------------------------------------
     def get_kv_connector_stats(self) -> LMCacheTritonStats | None:
-        if self._worker is None:
-            return None
+        if self._worker is None:  # the scheduler reports only the declines of a declined model
+            figures = self._scheduler.take_decline_figures() if self._scheduler is not None else None
+            return LMCacheTritonStats(data=figures) if figures else None
         try:
             figures = self._worker.take_stats()
         except Exception:  # figures are never worth a failed step

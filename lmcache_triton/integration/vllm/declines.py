@@ -71,3 +71,13 @@ def count(engine: Any, declined: tuple[tuple[str, int], ...]) -> None:
     tokens missed for the decline's reason."""
     for reason, tokens in declined:
         engine.stats_monitor.on_lookup(tokens, 0, misses={reason: tokens})
+
+
+def declines_figures(declined: list[tuple[str, int]]) -> dict:
+    """Declines as vLLM's metrics read a step's figures (vllm_stats.py): lookups that found nothing."""
+    misses: dict[str, int] = {}
+    for reason, tokens in declined:
+        misses[reason] = misses.get(reason, 0) + tokens
+    total = sum(misses.values())
+    return {"lookups": len(declined), "lookup_hits": 0, "lookup_tokens": total, "hit_tokens": 0,
+            "miss_tokens": misses}

@@ -23,7 +23,7 @@ from typing import Any
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.config_fields import TRUE_WORDS
 from lmcache_triton.integration.vllm.common import engine_id, world_size
-from lmcache_triton.integration.vllm.declines import also_unsaved, load_decline
+from lmcache_triton.integration.vllm.declines import also_unsaved, declines_figures, load_decline
 from lmcache_triton.integration.vllm.kv_events import SchedulerKVEvents, kv_events_enabled
 from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
 from lmcache_triton.integration.vllm.request_state import RequestState
@@ -86,6 +86,16 @@ def _request_configs(request: Any) -> dict | None:
     return configs or None
 
 
+def _disagg_spec(request: Any) -> DisaggSpec | None:
+    """A PD sender's request: where its prompt's chunks go (the proxy's disagg_spec). A spec that
+    cannot be read costs the transfer, never the request: the decoder computes."""
+    try:
+        return DisaggSpec.from_params(request.request_id, getattr(request, "kv_transfer_params", None))
+    except ValueError as e:
+        logger.warning("lmcache_triton: request %s is not sent to a decoder: %s", request.request_id, e)
+        return None
+
+
 def _truthy(value: Any) -> bool:
     return value is True or (isinstance(value, (str, int)) and str(value).strip().lower() in TRUE_WORDS)
 
@@ -104,6 +114,7 @@ class SchedulerSide:
         # Requests left to vLLM since the last step, (reason, prompt tokens): counted by rank 0 (declines.py).
         self.declined_in_step: list[tuple[str, int]] = []
         self.model_decline: str | None = None  # set when the model is one the connector cannot serve
+        self.declines_for_stats: list[tuple[str, int]] = []  # with model_decline: for vLLM's metrics
         self.sliding_window: int | None = None  # set when vLLM frees the blocks leaving it (model_support.py)
         # CacheBlend keys segments, not a prefix chain: its lookups and metadata carry token ids.
         self.use_chains = not config.enable_blending
@@ -195,6 +206,9 @@ class SchedulerSide:
         # for each of them, has removed their state (request_state.py).
         lookups, self.lookups_in_step = self.lookups_in_step, []
         declined, self.declined_in_step = self.declined_in_step, []
+        if self.model_decline is not None:  # no worker has an engine to count them: vLLM's metrics do
+            self.declines_for_stats.extend(declined)
+            declined = []
         requests: list[ReqMeta] = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._state(new.req_id)
@@ -241,19 +255,8 @@ class SchedulerSide:
             verify_tokens=state.take_verify_tokens(),
             chain=chain,
         )
-        tracker.disagg_spec = self._disagg_spec(request) if request is not None else None
+        tracker.disagg_spec = _disagg_spec(request) if request is not None and self.config.pd_sender else None
         return tracker
-
-    def _disagg_spec(self, request: Any) -> DisaggSpec | None:
-        """A PD sender's request: where its prompt's chunks go (the proxy's disagg_spec). A spec
-        that cannot be read costs the transfer, never the request: the decoder computes."""
-        if not self.config.pd_sender:
-            return None
-        try:
-            return DisaggSpec.from_params(request.request_id, getattr(request, "kv_transfer_params", None))
-        except ValueError as e:
-            logger.warning("lmcache_triton: request %s is not sent to a decoder: %s", request.request_id, e)
-            return None
 
     def _plan(self, state: RequestState, load_spec: LoadSpec | None, requests: list[ReqMeta]) -> None:
         """This step's message for the request (step_plan.py decides), and its state after it."""
@@ -282,6 +285,11 @@ class SchedulerSide:
             # step's metadata (or, if no step comes, by their lease).
             self.lookups_in_step.append(req_id)
         return state.saving, None
+
+    def take_decline_figures(self) -> dict | None:
+        """With the model declined: its requests' declines since the last call, for vLLM's metrics."""
+        taken, self.declines_for_stats = self.declines_for_stats, []
+        return declines_figures(taken) if taken else None
 
     def close(self) -> None:
         self.lookup_client.close()

@@ -109,7 +109,10 @@ def test_a_hybrid_model_is_declined_whole_with_one_log_line(caplog, clean_lmcach
         connector.update_state_after_alloc(req, None, 0)
         meta = connector.build_connector_meta(output(new=[_new(req)], scheduled={"r": 4 * CHUNK}))
         assert meta.requests == (), "nothing loaded or saved"
-        assert meta.declined == (("unsupported_model", 4 * CHUNK),)
+        assert meta.declined == (), "no worker has an engine to count it"
+        stats = connector.get_kv_connector_stats()  # vLLM's metrics count it, from the scheduler side
+        assert stats.data["miss_tokens"] == {"unsupported_model": 4 * CHUNK} and stats.data["lookups"] == 1
+        assert connector.get_kv_connector_stats() is None, "counted once"
         assert connector.request_finished(req, list(range(8))) == (False, None), "no block held for a save"
     finally:
         connector.shutdown()
