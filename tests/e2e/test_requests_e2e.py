@@ -4,7 +4,8 @@ Every case sends its prompt twice (the second request finds the first one's chun
 each step with vLLM without the connector: the same token ids for every sample, and where a case
 asks for them the same prompt logprobs, finish and stop reasons, or the same error. Three vLLM
 engines in all: a baseline without the connector, one connector run executing every case in
-sequence, and one connector run with n-gram speculative decoding (its own engine).
+sequence, and one connector run with n-gram speculative decoding (its own engine), compared with
+the same baseline: greedy speculative decoding gives vLLM's greedy tokens.
 
 Greedy unless a case samples (then with a seed per request, so both runs draw the same), vLLM's own
 prefix cache off (every cached token was loaded by the connector), a tiny random Llama with
@@ -113,13 +114,21 @@ def _metric(scrape: str, name: str, **labels: str) -> float:
     return total
 
 
+def _served(steps: list[dict]) -> list[dict]:
+    """The steps, each of which vLLM served (else the error it raised fails the test)."""
+    failed = [f"{s['error']}: {s['message']}" for s in steps if "error" in s]
+    assert not failed, f"vLLM failed a request: {failed}"
+    return steps
+
+
 def _cached(steps: list[dict]) -> list[list[int]]:
-    return [[r["cached"] for r in s["requests"]] for s in steps]
+    """Per step, per request: vLLM's num_cached_tokens (what the connector loaded)."""
+    return [[r["cached"] for r in s["requests"]] for s in _served(steps)]
 
 
 def _samples(steps: list[dict]) -> list[list[list[int]]]:
     """Per step, per request, per sample: the token ids."""
-    return [[[c["tokens"] for c in r["samples"]] for r in s["requests"]] for s in steps]
+    return [[[c["tokens"] for c in r["samples"]] for r in s["requests"]] for s in _served(steps)]
 
 
 def _same_logprobs(got, want, tol: float = 1e-5) -> bool:
@@ -137,7 +146,7 @@ def test_prompt_logprobs_are_computed_not_loaded_and_the_decline_is_counted(base
     """A request wanting its prompt's logprobs is never loaded (vLLM needs every prompt token's
     logits), even when the cache holds its prompt; its KV is still saved (the plain request after
     the first loads), and each is counted as a miss of reason prompt_logprobs."""
-    got, want = connector["prompt_logprobs"], baseline["prompt_logprobs"]
+    got, want = _served(connector["prompt_logprobs"]), baseline["prompt_logprobs"]
     assert _cached(got) == [[0], [512], [0]], "declined, saved, then declined on a prompt the cache holds"
     assert _samples(got) == _samples(want)
     for step in (0, 2):
@@ -147,30 +156,36 @@ def test_prompt_logprobs_are_computed_not_loaded_and_the_decline_is_counted(base
     assert _same_logprobs(got[2]["requests"][0]["samples"][0]["logprobs"],
                           want[2]["requests"][0]["samples"][0]["logprobs"])
     declined = _metric(connector["_scrape"], "lmcache_triton_miss_tokens_total", reason="prompt_logprobs")
-    assert declined == 2 * len(LOGPROBS_P), "each declined request's prompt is counted once"
+    assert declined == 2 * len(LOGPROBS_P), f"{declined} tokens counted: each declined prompt once"
 
 
-def test_parallel_samples_match_and_the_prompt_is_saved_once(baseline, connector):
+def test_parallel_samples_match_on_a_hit(baseline, connector):
     """n = 3 samples (temperature 0.8, seed 7: vLLM seeds sample i with 7 + i): the second request
-    loads the prompt's chunks and draws the same three samples as vLLM alone."""
-    got, want = connector["n_samples"], baseline["n_samples"]
+    loads the prompt's chunks and draws the same three samples as vLLM alone. (best_of is not
+    tested: vLLM 0.32's SamplingParams has none, its V1 engine never supported it.)"""
+    got, want = _served(connector["n_samples"]), baseline["n_samples"]
     assert [len(r["samples"]) for s in got for r in s["requests"]] == [3, 3]
     assert _samples(got) == _samples(want)
     assert len({tuple(t) for t in _samples(got)[0][0]}) > 1, "sampled, not greedy: the samples differ"
     assert _cached(got)[1] == [512]
 
 
-def test_one_prompt_many_times_in_one_batch_matches_and_is_stored_once(baseline, connector):
+def test_one_prompt_many_times_in_one_batch_matches(baseline, connector):
     """generate([p, p, p]): the first batch computes p (in one step, or a late request loads what
     an earlier one saved: the multiprocess engine core may start a step before every request of
-    the batch has arrived) and saves its chunks once; the second batch loads them for each request.
-    Over the whole run the connector stored each distinct prompt's whole chunks exactly once
-    (n samples, repeated prompts and declined requests store nothing twice)."""
+    the batch has arrived); the second batch loads it for each request."""
     got, want = connector["same_prompt_batch"], baseline["same_prompt_batch"]
     assert _samples(got) == _samples(want)
     first, second = _cached(got)
     assert first[0] == 0 and set(first) <= {0, 512} and second == [512] * 3, _cached(got)
-    assert _metric(connector["_scrape"], "lmcache_triton_stored_tokens_total") == STORED_TOKENS
+
+
+def test_every_distinct_prompt_is_stored_once(connector):
+    """Over the whole run the connector stored each distinct prompt's whole chunks exactly once:
+    n samples of one request, one prompt three times in a batch, a declined request whose prompt
+    is cached, and every second request store nothing again."""
+    stored = _metric(connector["_scrape"], "lmcache_triton_stored_tokens_total")
+    assert stored == STORED_TOKENS, f"{stored} tokens stored, {STORED_TOKENS} distinct"
 
 
 def test_speculative_decoding_with_the_ngram_proposer(baseline, spec_decode):
@@ -194,7 +209,7 @@ def test_structured_output_matches_on_a_hit(baseline, connector):
 
 
 def test_stop_string_ends_both_runs_at_the_same_token(baseline, connector):
-    got, want = connector["stop"], baseline["stop"]
+    got, want = _served(connector["stop"]), baseline["stop"]
     assert want[0]["requests"][0]["samples"][0]["finish_reason"] == "stop", "the stop string is reached"
     for g, w in zip(got, want):
         gs, ws = g["requests"][0]["samples"][0], w["requests"][0]["samples"][0]
