@@ -123,7 +123,7 @@ def closing():
         thing.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a plain function: module-scoped fixtures use it too
 def free_port() -> Callable[[], int]:
     """Call it for a loopback TCP port that nothing listens on (as of now)."""
     return _free_port

@@ -5,6 +5,7 @@
 SPEC: {"model": path, "connector": null | {extra config dict}, "kv_role": str, "llm_args": {...},
        "steps": [{"prompt": [ids], "cache_salt": str | null, "max_tokens": n,
                   "lora": null | {"name": str, "id": int, "path": str}}
+                 | {"generate": {...}} (generate_step: a batch, any sampling parameters)
                  | {"kill_pid": pid} | {"corrupt_dir": path} | {"scrape": url} | fault steps (fault_step)]}
 Each generate step records the output token ids, vLLM's num_cached_tokens and the time.
 A separate process per vLLM engine: vLLM keeps process-wide state, and the tests restart it.
@@ -92,6 +93,41 @@ def fault_step(llm, step: dict) -> dict | None:
     return None
 
 
+def _logprob_rows(rows) -> list | None:
+    """vLLM's logprobs (per position {token id: Logprob} or None) as JSON: per position
+    [[token id, logprob], ...] sorted by id, or None."""
+    if rows is None:
+        return None
+    return [None if row is None else sorted([int(t), float(lp.logprob)] for t, lp in row.items()) for row in rows]
+
+
+def generate_step(llm, g: dict) -> dict:
+    """{"generate": {"prompts": [[ids], ...], "params": {SamplingParams keywords}, "structured": {...}}}:
+    one llm.generate over the batch (one request per prompt; greedy, 8 tokens, ignore_eos unless
+    params say otherwise; "structured": StructuredOutputsParams keywords, e.g. {"regex": ...}).
+    Records per request vLLM's num_cached_tokens, its prompt logprobs and every sample (n > 1): token
+    ids, text, finish and stop reason, logprobs. An error vLLM raises is recorded, not raised:
+    {"error": its type's name, "message": ...}; the engine goes on with the next step."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True} | g.get("params", {})
+    if g.get("structured"):
+        params["structured_outputs"] = StructuredOutputsParams(**g["structured"])
+    t = time.perf_counter()
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in g["prompts"]], SamplingParams(**params),
+                            use_tqdm=False)
+    except Exception as e:  # what vLLM answers a request it refuses (e.g. a prompt over max_model_len)
+        return {"error": type(e).__name__, "message": str(e)[:1000], "seconds": time.perf_counter() - t}
+    return {"seconds": time.perf_counter() - t, "requests": [
+        {"cached": o.num_cached_tokens, "prompt_logprobs": _logprob_rows(o.prompt_logprobs),
+         "samples": [{"tokens": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason, "logprobs": _logprob_rows(c.logprobs)} for c in o.outputs]}
+        for o in outs]}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
@@ -123,6 +159,9 @@ def main() -> None:
         if "corrupt_dir" in step:
             results["steps"].append({"corrupted": corrupt_dir(step["corrupt_dir"])})
             continue
+        if "generate" in step:
+            results["steps"].append(generate_step(llm, step["generate"]))
+            continue
         if (done := fault_step(llm, step)) is not None:
             results["steps"].append(done)
             continue
@@ -141,7 +180,7 @@ def main() -> None:
                                  "seconds": time.perf_counter() - t})
     metrics = {}
     for m in llm.get_metrics():
-        if "prefix_cache" in m.name and hasattr(m, "value"):
+        if ("prefix_cache" in m.name or "spec_decode" in m.name) and hasattr(m, "value"):
             metrics[m.name] = m.value
     results["metrics"] = metrics
     Path(sys.argv[2]).write_text(json.dumps(results))

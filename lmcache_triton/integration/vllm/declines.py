@@ -4,9 +4,10 @@ A decline is decided on the scheduler side, which sees vLLM's request; it is cou
 engine (the step's metadata carries it), so the figures reach the connector's Prometheus exporter
 and vLLM's own /metrics like any other miss (`lmcache_triton_miss_tokens_total{reason}`).
 
-- `prompt_logprobs`: the request wants the logprobs of its prompt, which only a prefill of every
-  prompt token gives. vLLM's own prefix cache skips such requests (`skip_reading_prefix_cache`),
-  and so do we: no lookup, no load. Their KV is computed exactly, so it is still saved.
+- `prompt_logprobs`: the request wants the logprobs of its prompt (`prompt_logprobs`, or in vLLM
+  0.32 `prompt_logprob_token_ids`), which only a prefill of every prompt token gives. vLLM's own
+  prefix cache skips such requests (`skip_reading_prefix_cache`), and so do we: no lookup, no load.
+  Their KV is computed exactly, so it is still saved.
 - `skip_prefix_cache`: the request asked vLLM to skip its prefix cache for another reason.
 - `prompt_embeds`: a prompt given as embeddings has no token ids to key it by: neither loaded nor saved.
 - `multimodal`: an image (audio, video) input without vLLM's content hash or placeholder position:
@@ -19,7 +20,10 @@ and vLLM's own /metrics like any other miss (`lmcache_triton_miss_tokens_total{r
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+logger = logging.getLogger("lmcache_triton")
 
 DECLINE_PROMPT_LOGPROBS = "prompt_logprobs"
 DECLINE_SKIP_PREFIX_CACHE = "skip_prefix_cache"
@@ -53,11 +57,34 @@ def load_decline(request: Any, sliding_window: int | None = None) -> str | None:
         if max_tokens is None or prompt + max_tokens > sliding_window:
             return DECLINE_SLIDING_WINDOW
     params = getattr(request, "sampling_params", None)
-    if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+    if params is not None and (getattr(params, "prompt_logprobs", None) is not None
+                               or getattr(params, "prompt_logprob_token_ids", None) is not None):
         return DECLINE_PROMPT_LOGPROBS
     if getattr(request, "skip_reading_prefix_cache", False):
         return DECLINE_SKIP_PREFIX_CACHE
     return None
+
+
+_logged: set[str] = set()  # reasons already logged at INFO by this process
+
+_WHY = {
+    DECLINE_PROMPT_LOGPROBS: "it wants its prompt's logprobs: vLLM computes every prompt token (its KV is saved)",
+    DECLINE_SKIP_PREFIX_CACHE: "it asked vLLM to skip the prefix cache (its KV is saved)",
+    DECLINE_PROMPT_EMBEDS: "its prompt is embeddings, with no token ids to key it by (not saved either)",
+    DECLINE_UNSUPPORTED_MODEL: "the connector cannot serve this model (not saved either)",
+    DECLINE_MULTIMODAL: "the connector cannot key this model's multimodal inputs (not saved either)",
+    DECLINE_SLIDING_WINDOW: "it is longer than the model's sliding window, whose blocks vLLM frees (not saved either)",
+}
+
+
+def log_decline(req_id: str, reason: str) -> None:
+    """One line saying why a request is left to vLLM: at INFO the first time a reason occurs in
+    this process (a server may see thousands of such requests), at DEBUG after that."""
+    level = logging.DEBUG if reason in _logged else logging.INFO
+    _logged.add(reason)
+    logger.log(level, "lmcache_triton: request %s is not loaded, %s; counted as a miss of reason %r%s", req_id,
+               _WHY.get(reason, "the connector cannot serve it"), reason,
+               "" if level == logging.DEBUG else " (further such requests are logged at DEBUG)")
 
 
 def also_unsaved(reason: str) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.config_fields import TRUE_WORDS
 from lmcache_triton.integration.vllm.common import engine_id, world_size
-from lmcache_triton.integration.vllm.declines import also_unsaved, declines_figures, load_decline
+from lmcache_triton.integration.vllm.declines import also_unsaved, declines_figures, load_decline, log_decline
 from lmcache_triton.integration.vllm.kv_events import SchedulerKVEvents, kv_events_enabled
 from lmcache_triton.integration.vllm.lookup.client import LookupClientFactory
 from lmcache_triton.integration.vllm.request_state import RequestState
@@ -148,6 +148,7 @@ class SchedulerSide:
             if state.declined is None:
                 state.declined = reason
                 self.declined_in_step.append((reason, request.num_tokens))
+                log_decline(req_id, reason)
             return 0, False
         if _truthy((_request_configs(request) or {}).get("lmcache.skip_load")):
             return 0, False  # the request asked to compute its prompt (kv_transfer_params); it still saves

@@ -111,6 +111,28 @@ def test_prompt_logprobs_are_never_loaded_but_saved_and_counted_once():
     assert side.build_connector_meta(output()).declined == (), "each decline is sent once"
 
 
+def test_prompt_logprob_token_ids_are_prompt_logprobs_too(caplog, monkeypatch):
+    """vLLM 0.32's other way to ask for prompt logprobs (of given tokens) is declined alike, and a
+    decline says why in one line: at INFO the first time its reason occurs, at DEBUG after that."""
+    from types import SimpleNamespace
+
+    from lmcache_triton.integration.vllm import declines
+
+    monkeypatch.setattr(declines, "_logged", set())
+    side = scheduler(hit=3 * CHUNK)
+    params = SimpleNamespace(prompt_logprobs=None, prompt_logprob_token_ids=[[5]])
+    with caplog.at_level("DEBUG", logger="lmcache_triton"):
+        for req_id in ("a", "b"):
+            req = request(req_id=req_id, sampling_params=params, skip_reading_prefix_cache=True)
+            assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side.lookup_client.calls == []
+    assert side.declined_in_step == [("prompt_logprobs", 4 * CHUNK)] * 2
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "not loaded" in r.getMessage()]
+    assert [level for level, _ in lines] == ["INFO", "DEBUG"], lines
+    assert "request a is not loaded, it wants its prompt's logprobs" in lines[0][1]
+    assert "reason 'prompt_logprobs'" in lines[0][1]
+
+
 def test_a_declined_request_is_counted_by_rank_0_as_a_miss_of_its_reason(closing):
     from lmcache_triton.integration.vllm.specs import LMCacheConnectorMetadata
     from worker_stubs import real_engine, worker
