@@ -178,6 +178,12 @@ class LMCacheEngineConfig:
     load_deadline_ms: float | None = option(
         None, "An absolute limit on any load from a lower tier, ms (with either load_policy); None: "
         "load_deadline_factor alone (and lookup_timeout_ms).", gt=0, ours=True)
+    kv_load_failure_policy: str = option(
+        "recompute", "What vLLM does with a request whose chunks fail to load after the lookup found "
+        "them: 'recompute' (the connector sets vLLM's kv_load_failure_policy to it): vLLM computes the "
+        "blocks reported, the request goes on; 'fail': the request ends with an error. vLLM's own field "
+        "defaults to 'fail' and cannot say whether a user set it, so this one decides.",
+        choices=("recompute", "fail"), ours=True)
     prometheus_port: int | None = option(
         None, "Each process serving an engine exports its lmcache_triton metrics on "
         "http://0.0.0.0:(prometheus_port + rank)/metrics. None: no HTTP server (the metrics still join "

@@ -2,19 +2,25 @@
 asked through the `openai` client package (a dependency of vLLM).
 
 The end-to-end test starts `lmcache-triton serve MODEL --port P --max-model-len 4096` (the console
-script, with nothing but the connector's metrics port set, through `LMCACHE_PROMETHEUS_PORT`) on
+script, with nothing but the connector's metrics port set, through `LMCACHE_PROMETHEUS_PORT`, and
+vLLM's request log on, which names aborted requests) on
 the tiny random Llama, sends a ~1000-token prompt cold, warm and streamed, and checks the three
 outputs are identical, that the warm requests were served by the connector (its
 lmcache_triton_hit_tokens_total on the metrics port, vLLM's external prefix-cache hits on the
 server's /metrics, and our own series there, labelled as vLLM's) and that the server answers
 OpenAI's model list. The same server, sent another prompt twice, is then scraped by a real
 Prometheus (Debian's `prometheus`; that test skips without it), which must find the connector's
-series on vLLM's own /metrics with vLLM's labels (model_name, engine).
+series on vLLM's own /metrics with vLLM's labels (model_name, engine). Last, streamed requests
+whose clients hang up while their prompt loads or saves: the server goes on serving, outputs equal
+a fresh computation, and no hold (the CPU tier's, vLLM's blocks) outlives them.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import socket
 import shutil
 import subprocess
 import sys
@@ -22,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +77,8 @@ def server(tiny_model, tmp_path_factory):
     port, metrics_port = free_port(), free_port()
     script = Path(sys.executable).with_name("lmcache-triton")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lmcache_triton.tools.cli"]
-    cmd += ["serve", tiny_model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096"]
+    cmd += ["serve", tiny_model, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+            "--enable-log-requests", "--max-log-len", "40"]  # the log says which requests were aborted
     # As a user's shell: no VLLM_CPU_KVCACHE_SPACE (serve's default applies), no LMCACHE_* but the
     # metrics port and a small CPU tier (the default preallocates 5 GB).
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_") and k != "VLLM_CPU_KVCACHE_SPACE"}
@@ -169,3 +177,68 @@ def test_prometheus_finds_our_figures_on_vllms_own_metrics(server, tmp_path):
         assert "partial_chunk" in by_reason and "never_stored" in by_reason
         loaded = prom.query('vllm:lmcache_triton_load_bytes_total{tier="cpu"}')
         assert len(loaded) == 1 and float(loaded[0]["value"][1]) > 0
+
+
+def _hang_up(server, prompt: str, *, events: int, wait_s: float = 0.0) -> int:
+    """A streamed completion whose client closes its socket after `events` server-sent events (0:
+    `wait_s` after sending the request, whatever arrived). Returns the events read."""
+    url = urlsplit(server.base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    seen = 0
+    if events:
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:500]
+        while seen < events:
+            line = response.fp.readline()
+            assert line, "the stream ended before the client hung up"
+            seen += line.startswith(b"data: ")
+    else:
+        time.sleep(wait_s)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client is gone: vLLM aborts the request
+    conn.close()
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_clients_that_hang_up_mid_load_or_mid_save_leave_nothing_held_and_outputs_intact(server):
+    """Real HTTP streaming, the client closing its socket: (load) a prompt cached first, then asked
+    streamed and dropped at once, while its chunks load; (save) long new prompts dropped while their
+    prefill runs and right after their first token, while their chunks are being saved. Then each
+    prompt again: the server answers, with the output of a fresh computation (the request asks to
+    skip the cache: kv_transfer_params lmcache.skip_load) whether it loads the dropped request's
+    chunks or not. At the end nothing runs, vLLM's KV pool is empty (a finished request held for its
+    saves is let go) and the CPU tier holds no chunk."""
+    client, model = server.client, server.model
+    loaded, saved_mid_prefill, saved_after_prefill = (_words(random_prompt(n, seed=s))
+                                                      for n, s in ((1500, 21), (3500, 22), (3500, 23)))
+
+    def complete(prompt: str, **extra):
+        return client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8,
+                                         **extra).choices[0].text
+
+    def fresh(prompt: str) -> str:
+        return complete(prompt, extra_body={"kv_transfer_params": {"lmcache.skip_load": True}})
+
+    vllm_metrics = server.base + "/metrics"
+    def aborted() -> int:
+        return server.log.read_text().count("Aborted request(s)")
+
+    aborted_before = aborted()
+    cold = complete(loaded)  # cached now
+    hits = _metric(_get(server.lmct_metrics), "lmcache_triton_hit_tokens_total")
+    _hang_up(server, loaded, events=0, wait_s=0.05)  # dropped while its lookup and load run
+    _hang_up(server, saved_mid_prefill, events=0, wait_s=0.3)  # dropped while its prefill runs
+    assert _hang_up(server, saved_after_prefill, events=1) == 1  # dropped after its first token
+    _wait_for(lambda: aborted() - aborted_before == 3, 30, "vLLM to abort the three requests (its log)")
+    for prompt in (loaded, saved_mid_prefill, saved_after_prefill):
+        assert complete(prompt) == fresh(prompt), "a dropped request's chunks changed a later output"
+    assert complete(loaded) == cold
+    assert _metric(_get(server.lmct_metrics), "lmcache_triton_hit_tokens_total") > hits, "the later requests load"
+    # nothing outlives the dropped requests: vLLM's pool and the CPU tier's holds are back to empty
+    _wait_for(lambda: _metric(_get(vllm_metrics), "vllm:num_requests_running") == 0
+              and _metric(_get(vllm_metrics), "vllm:kv_cache_usage_perc") == 0, 30, "vLLM's KV pool to empty")
+    _wait_for(lambda: _metric(_get(server.lmct_metrics), "lmcache_triton_held_chunks") == 0, 30,
+              "the CPU tier's holds to go")

@@ -6,7 +6,8 @@ SPEC: {"model": path, "connector": null | {extra config dict}, "kv_role": str, "
        "steps": [{"prompt": [ids], "cache_salt": str | null, "max_tokens": n,
                   "lora": null | {"name": str, "id": int, "path": str}}
                  | {"generate": {...}} (generate_step: a batch, any sampling parameters)
-                 | {"kill_pid": pid} | {"corrupt_dir": path} | {"scrape": url} | fault steps (fault_step)]}
+                 | {"kill_pid": pid} | {"corrupt_dir": path} | {"scrape": url} | fault steps (fault_step)
+                 | request-lifecycle steps (lifecycle_step)]}
 Each generate step records the output token ids, vLLM's num_cached_tokens and the time.
 A separate process per vLLM engine: vLLM keeps process-wide state, and the tests restart it.
 """
@@ -128,6 +129,74 @@ def generate_step(llm, g: dict) -> dict:
         for o in outs]}
 
 
+def _engine_here():
+    """The connector's engine, when vLLM's engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from lmcache_triton.engine.engine import LMCacheEngineBuilder
+
+    ids = LMCacheEngineBuilder.instance_ids()
+    if len(ids) != 1:
+        raise RuntimeError(f"this step needs the one engine in this process, found {ids}: "
+                           "run with VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return LMCacheEngineBuilder.get(ids[0])
+
+
+def lifecycle_step(llm, step: dict) -> dict | None:
+    """The request-lifecycle steps (tests/e2e/test_lifecycle_e2e.py); None for any other step.
+    {"batch": [[ids], ...], "max_tokens": n}: one generate call over all the prompts (vLLM runs them
+      concurrently: a small KV pool preempts some); per prompt its tokens, num_cached_tokens and
+      finish_reason, and vLLM's preemption counter after the call (since the start).
+    {"slow_saves": s}: from now on each store on the save thread starts s seconds late (a busy host),
+      so the saves of a request vLLM preempts are still queued when its blocks go to another.
+    {"rot_after_lookup": {"prompt": [ids], "chunk": i}}: once the next lookup that finds chunk i of
+      that prompt has answered, the lookup's holds are let go (as when its lease runs out), the CPU
+      tier drops chunk i (as an eviction would) and its file on the disk tier rots (a byte flipped):
+      the load that follows finds chunk i on disk only, and it fails its checksum.
+    The last two need the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    if "batch" in step:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t = time.perf_counter()
+        sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["batch"]], sp, use_tqdm=False)
+        return {"batch": [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens,
+                           "finish_reason": o.outputs[0].finish_reason} for o in outs],
+                "seconds": time.perf_counter() - t,
+                "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")}
+    if "slow_saves" in step:
+        engine, real, delay = _engine_here(), _engine_here().store, step["slow_saves"]
+
+        def store(*args, **kw):
+            time.sleep(delay)
+            return real(*args, **kw)
+
+        engine.store = store
+        return {"slow_saves": delay}
+    if "rot_after_lookup" in step:
+        engine = _engine_here()
+        r = step["rot_after_lookup"]
+        key = [k for _, _, k in engine.token_database.process_tokens(r["prompt"])][r["chunk"]]
+        (disk,) = [t for t in engine.storage_manager.tiers if hasattr(t, "path_for")]
+        path, real, t = disk.path_for(key), engine.lookup, time.perf_counter()
+        while not path.exists() and time.perf_counter() - t < 10:  # written through after the save
+            time.sleep(0.05)
+
+        def lookup(tokens, *args, lookup_id=None, **kw):
+            hit = real(tokens, *args, lookup_id=lookup_id, **kw)
+            if hit >= (r["chunk"] + 1) * engine.config.chunk_size:
+                engine.lookup = real  # once
+                engine.release_reservation(lookup_id)
+                engine.storage_manager.cpu.remove(key)
+                data = bytearray(path.read_bytes())
+                data[-7] ^= 0x5A
+                path.write_bytes(bytes(data))
+            return hit
+
+        engine.lookup = lookup
+        return {"armed": str(path), "exists": path.exists()}
+    return None
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from vllm import LLM, SamplingParams
@@ -142,8 +211,8 @@ def main() -> None:
             **({"engine_id": spec["engine_id"]} if spec.get("engine_id") else {}))
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=True,
-              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, disable_log_stats=False,
-              seed=0, **({"enable_prefix_caching": False} | spec.get("llm_args", {})), **kw)
+              max_model_len=spec.get("max_model_len", 4096), disable_log_stats=False,
+              seed=0, **({"enable_prefix_caching": False, "max_num_seqs": 4} | spec.get("llm_args", {})), **kw)
     results = {"start_s": time.perf_counter() - t0, "steps": []}
     for step in spec["steps"]:
         if "kill_pid" in step:
@@ -163,6 +232,9 @@ def main() -> None:
             results["steps"].append(generate_step(llm, step["generate"]))
             continue
         if (done := fault_step(llm, step)) is not None:
+
+
+        if (done := fault_step(llm, step) or lifecycle_step(llm, step)) is not None:
             results["steps"].append(done)
             continue
         sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
@@ -177,7 +249,7 @@ def main() -> None:
         t = time.perf_counter()
         out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0]
         results["steps"].append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
-                                 "seconds": time.perf_counter() - t})
+                                 "finish_reason": out.outputs[0].finish_reason, "seconds": time.perf_counter() - t})
     metrics = {}
     for m in llm.get_metrics():
         if ("prefix_cache" in m.name or "spec_decode" in m.name) and hasattr(m, "value"):

@@ -34,21 +34,26 @@ from lmcache_triton.integration.vllm.worker import WorkerSide
 logger = logging.getLogger("lmcache_triton")
 
 
-def _recompute_failed_loads(kv_transfer_config: Any) -> None:
-    """A cache's failed load is a miss: vLLM recomputes the blocks it reports
-    (`get_block_ids_with_load_errors`) instead of failing the request, its default
-    (kv_load_failure_policy "fail"). vLLM's scheduler reads the policy right after building this
-    connector."""
-    if getattr(kv_transfer_config, "kv_load_failure_policy", "recompute") == "recompute":
+def _apply_load_failure_policy(kv_transfer_config: Any, policy: str) -> None:
+    """What vLLM does with the blocks the workers report (`get_block_ids_with_load_errors`): the
+    config's `kv_load_failure_policy` ("recompute" by default: a failed load is a miss). vLLM's own
+    field defaults to "fail" and does not say whether a user set it, so the connector's decides.
+    vLLM's scheduler reads the policy right after building this connector."""
+    if not hasattr(kv_transfer_config, "kv_load_failure_policy"):  # a vLLM before the policy: it recomputes
         return
     try:
-        kv_transfer_config.kv_load_failure_policy = "recompute"
-    except Exception:  # a frozen config: the user's policy stands
-        logger.warning("lmcache_triton: kv_load_failure_policy is 'fail': a chunk that fails to load fails "
-                       "its request; set kv_load_failure_policy 'recompute' in --kv-transfer-config")
+        if kv_transfer_config.kv_load_failure_policy != policy:
+            kv_transfer_config.kv_load_failure_policy = policy
+    except Exception:  # a frozen config: vLLM's value stands
+        logger.warning("lmcache_triton: cannot set vLLM's kv_load_failure_policy to %r (the config is frozen): "
+                       "set \"kv_load_failure_policy\": \"%s\" in --kv-transfer-config", policy, policy)
         return
-    logger.info("lmcache_triton: kv_load_failure_policy set to 'recompute': a chunk that fails to load is "
-                "recomputed by vLLM, never a failed request")
+    if policy == "recompute":
+        logger.info("lmcache_triton: kv_load_failure_policy 'recompute': a chunk that fails to load is recomputed "
+                    "by vLLM, never a failed request (lmcache.kv_load_failure_policy 'fail' fails it instead)")
+    else:
+        logger.info("lmcache_triton: kv_load_failure_policy 'fail' (lmcache.kv_load_failure_policy): a request "
+                    "whose chunks fail to load ends with an error")
 
 
 class LMCacheTritonKVEvents(KVConnectorKVEvents):
@@ -119,7 +124,7 @@ class LMCacheTritonConnectorV1(KVConnectorBase_V1):
         # restore is left to vLLM whole (model_support.py), by the scheduler and the workers alike.
         self.model = check_model(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            _recompute_failed_loads(vllm_config.kv_transfer_config)
+            _apply_load_failure_policy(vllm_config.kv_transfer_config, config.kv_load_failure_policy)
             log_support(self.model, vllm_config)
         self._scheduler = SchedulerSide(vllm_config, config) if role == KVConnectorRole.SCHEDULER else None
         if self._scheduler is not None:

@@ -5,7 +5,10 @@ A load is all layers at once (`engine.retrieve`, before the forward), layer by l
 (`LayerwiseLoad`: layer j is loaded before layer j's attention), or CacheBlend's (the blender
 reads the prompt's segments and writes the blended KV). Whichever it is, its outcome is one mask of
 the tokens that loaded, and every expected token outside it lands in `LoadErrors` - a load that
-fails midway included: vLLM must never take KV that is not there for computed.
+fails midway included: vLLM must never take KV that is not there for computed. vLLM recomputes
+those blocks (kv_load_failure_policy "recompute", the config's default) or fails the request
+("fail"); either way the step's forward ran over them, so nothing that step computed for the
+request is saved, checked or sent (`LoadErrors.requests`, worker.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ logger = logging.getLogger("lmcache_triton")
 
 @dataclass
 class LoadErrors:
-    """The paged-cache blocks of tokens that should have loaded and did not, until vLLM asks."""
+    """The paged-cache blocks of tokens that should have loaded and did not, until vLLM asks, and
+    the requests they belong to, until the step's saves are decided."""
 
     block_size: int
+    policy: str = "recompute"  # what vLLM does with them: the config's kv_load_failure_policy
     block_ids: set[int] = field(default_factory=set)
+    requests: set[str] = field(default_factory=set)
 
     def record(self, req: ReqMeta, expected: torch.Tensor, loaded: torch.Tensor | None) -> None:
         """Reports the blocks of `expected` tokens (a mask over tokens 0..) that `loaded` (None:
@@ -41,20 +47,28 @@ class LoadErrors:
                 m = min(len(loaded), len(expected))
                 got[:m] = loaded[:m].cpu()
             missing = expected.cpu() & ~got
+            if not missing.any():
+                return
+            self.requests.add(req.req_id)
             pos = missing.nonzero().flatten() - req.token_offset  # the slot mapping starts there
             pos = pos[(pos >= 0) & (pos < len(req.slot_mapping))]
             slots = req.slot_mapping[pos]
-            slots = slots[slots >= 0]
-            if missing.any():
-                blocks = (slots // self.block_size).unique().tolist()
-                logger.warning("lmcache_triton: request %s failed to load %d tokens; vLLM recomputes %d blocks",
-                               req.req_id, int(missing.sum()), len(blocks))
-                self.block_ids.update(int(b) for b in blocks)
+            blocks = (slots[slots >= 0] // self.block_size).unique().tolist()
+            then = (f"vLLM recomputes {len(blocks)} blocks" if self.policy == "recompute" else
+                    f"vLLM fails the request (kv_load_failure_policy 'fail', {len(blocks)} blocks)")
+            logger.warning("lmcache_triton: request %s failed to load %d tokens from token %d on; %s",
+                           req.req_id, int(missing.sum()), int(missing.nonzero()[0]), then)
+            self.block_ids.update(int(b) for b in blocks)
         except Exception:
             logger.exception("lmcache_triton: cannot report the failed load of request %s", req.req_id)
 
     def take(self) -> set[int]:
         out, self.block_ids = self.block_ids, set()
+        return out
+
+    def take_requests(self) -> set[str]:
+        """The requests whose load failed since the last call (once a step, before its saves)."""
+        out, self.requests = self.requests, set()
         return out
 
 

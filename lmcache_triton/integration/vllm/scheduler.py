@@ -231,6 +231,8 @@ class SchedulerSide:
                                                load_spec.lmcache_cached_tokens if load_spec else 0)
                 tracker.verify_tokens = state.take_verify_tokens() or tracker.verify_tokens
             else:
+                if cached.num_computed_tokens[i] < len(tracker.token_ids):  # taken back after a failed load
+                    tracker.rewind(cached.num_computed_tokens[i])
                 start = len(tracker.token_ids)
                 tracker.update(list(request.all_token_ids[start:start + num_new]), cached.new_block_ids[i])
             self._plan(state, load_spec, requests)

@@ -9,6 +9,7 @@ a step's metadata after the scheduler has built the next one. The rules that dec
   the partial tail chunk only at the last prefill step and only with `save_unfull_chunk`;
 - decode tokens are saved only with `save_decode_cache`;
 - after a preemption the request's blocks change, so the tracker restarts from what is cached;
+  after a failed load vLLM takes the request back to its last good block, and so does the tracker;
 - the tracker carries the request's token chain (`keys.TokenChain`), extended as tokens arrive, so
   each whole chunk is hashed once; a step's `ReqMeta` ships the slots and the 16-byte chunk hashes
   of the chunks it saves, loads or verifies only, never the prefix before them (a long prompt's
@@ -170,6 +171,14 @@ class RequestTracker:
         self.num_saved_tokens = lmcache_cached_tokens
         if self.chain is not None:  # the ids were replaced: hash them anew (once; preemption is rare)
             self.chain = TokenChain(self.chain.chunk_size, self.chain.mm_spans)
+
+    def rewind(self, num_computed_tokens: int) -> None:
+        """vLLM took the request back to `num_computed_tokens` (a load failed: it recomputes the
+        blocks from the first one reported, kv_load_failure_policy "recompute"): the tokens after it
+        are computed again, and what was cached or saved past it is saved again as they are."""
+        self.token_ids = self.token_ids[:num_computed_tokens]
+        self.num_saved_tokens = min(self.num_saved_tokens, num_computed_tokens)
+        self.is_decode_phase = len(self.token_ids) > self.prompt_len
 
     def advance(self, plan: StepPlan) -> None:
         """The values after a step whose message was built by `step_plan.plan_step` (and sent)."""

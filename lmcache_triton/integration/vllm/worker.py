@@ -64,7 +64,7 @@ class WorkerSide:
         self.vllm_config, self.config, self.parent = vllm_config, config, parent
         self.paged = PagedKV()
         self.requests = InFlightRequests()
-        self.load_errors = LoadErrors(vllm_config.cache_config.block_size)
+        self.load_errors = LoadErrors(vllm_config.cache_config.block_size, config.kv_load_failure_policy)
         self.loader = Loader(self.paged, config.chunk_size, self.load_errors)
         self.saving = Saving(self.paged, config, vllm_config.kv_transfer_config.kv_role)
         self.offload = OffloadStore(self.paged, self.saving, config.chunk_size, config.blocking_timeout_secs)
@@ -199,8 +199,13 @@ class WorkerSide:
                     self.requests.get(req.req_id).saving = True
         if self.engine is None:
             return
+        # The forward ran over whatever a failed load left in these requests' blocks: what it computed
+        # for them is neither saved, checked nor sent (a layerwise store left open is closed unused).
+        failed = self.load_errors.take_requests()
         try:
             for req in meta.requests:  # each request on its own: a failure costs that request's save
+                if req.req_id in failed:
+                    continue
                 try:
                     if req.verify_tokens:
                         verify_request(self.paged, req)
@@ -213,7 +218,8 @@ class WorkerSide:
                     logger.exception("lmcache_triton: save of request %s failed; its chunks stay uncached",
                                      req.req_id)
             for req in meta.requests:  # after every save is queued: the sends wait, the saves need not
-                if self.pd_sender is not None and req.disagg_spec is not None and req.disagg_spec.is_last_prefill:
+                if (self.pd_sender is not None and req.disagg_spec is not None and req.disagg_spec.is_last_prefill
+                        and req.req_id not in failed):
                     self.pd_sender.send_request(req, self.paged, self.saving)
         finally:
             self.paged.defer_prefault(_IDLE_GAP_S)  # committing ahead resumes once vLLM is idle for a moment

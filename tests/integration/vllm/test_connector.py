@@ -88,7 +88,7 @@ def test_scheduler_and_worker_store_what_a_fresh_lookup_by_tokens_finds_and_load
     assert torch.equal(paged_gather(dst, slots(16), "vllm_cpu"), paged_gather(src, slots(0), "vllm_cpu"))
 
 
-# ---- a failed load is a miss vLLM recomputes, never a failed request -------------------------------
+# ---- a failed load is a miss vLLM recomputes, never a failed request (unless the config says fail) ------
 class _Frozen:
     """A config whose fields cannot be set (a frozen dataclass, a pydantic model)."""
 
@@ -98,28 +98,35 @@ class _Frozen:
         raise AttributeError(f"{name} is frozen")
 
 
-@pytest.mark.parametrize("given, expect", [
-    pytest.param(SimpleNamespace(kv_load_failure_policy="fail"), "recompute", id="fail-becomes-recompute"),
-    pytest.param(SimpleNamespace(kv_load_failure_policy="recompute"), "recompute", id="recompute-stays"),
-    pytest.param(_Frozen(), "fail", id="frozen-config-keeps-the-users-policy"),
+@pytest.mark.parametrize("given, ours, expect", [
+    pytest.param(SimpleNamespace(kv_load_failure_policy="fail"), "recompute", "recompute", id="fail-becomes-recompute"),
+    pytest.param(SimpleNamespace(kv_load_failure_policy="recompute"), "recompute", "recompute", id="recompute-stays"),
+    pytest.param(SimpleNamespace(kv_load_failure_policy="recompute"), "fail", "fail", id="lmcache-fail-is-vllms"),
+    pytest.param(SimpleNamespace(kv_load_failure_policy="fail"), "fail", "fail", id="fail-stays"),
+    pytest.param(_Frozen(), "recompute", "fail", id="frozen-config-keeps-vllms-policy"),
 ])
-def test_the_scheduler_makes_vllm_recompute_failed_loads(given, expect, caplog):
+def test_the_connectors_kv_load_failure_policy_is_the_one_vllm_applies(given, ours, expect, caplog):
+    """vLLM's field defaults to "fail" and cannot say whether a user gave it: the connector's config
+    (`kv_load_failure_policy`, default "recompute") decides, and the log says which one applies."""
     pytest.importorskip("vllm", reason="connector.py is vLLM's KV connector class")
-    from lmcache_triton.integration.vllm.connector import _recompute_failed_loads
+    from lmcache_triton.integration.vllm.connector import _apply_load_failure_policy
 
     with caplog.at_level("INFO", logger="lmcache_triton"):
-        _recompute_failed_loads(given)
+        _apply_load_failure_policy(given, ours)
     assert given.kv_load_failure_policy == expect
     if isinstance(given, _Frozen):
-        assert "kv_load_failure_policy 'recompute'" in caplog.text, "the user is told how to set it"
+        assert '"kv_load_failure_policy": "recompute" in --kv-transfer-config' in caplog.text, \
+            "the user is told how to set it"
+    elif expect == "fail":
+        assert "ends with an error" in caplog.text, "the log says a failed load fails its request"
 
 
 def test_a_config_without_the_policy_is_left_alone():
     pytest.importorskip("vllm", reason="connector.py is vLLM's KV connector class")
-    from lmcache_triton.integration.vllm.connector import _recompute_failed_loads
+    from lmcache_triton.integration.vllm.connector import _apply_load_failure_policy
 
     older = SimpleNamespace(kv_role="kv_both")  # a vLLM before kv_load_failure_policy
-    _recompute_failed_loads(older)
+    _apply_load_failure_policy(older, "recompute")
     assert not hasattr(older, "kv_load_failure_policy")
 
 

@@ -28,7 +28,7 @@ from scheduler_stubs import (
 
 from lmcache_triton import keys as keys_module
 from lmcache_triton.integration.vllm.scheduler import adapter_identity
-from lmcache_triton.integration.vllm.specs import LoadSpec
+from lmcache_triton.integration.vllm.specs import LoadSpec, SaveSpec
 from lmcache_triton.keys import TokenChain
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -404,6 +404,28 @@ def test_a_request_preempted_then_aborted_while_waiting_is_forgotten():
     side.get_num_new_matched_tokens(req, 0)
     _finish(side, req)
     assert side.requests == {} and idle_step(side).lookup_requests_in_step == ()
+
+
+def test_a_request_vllm_takes_back_after_a_failed_load_saves_its_chunks_again_as_recomputed():
+    """The worker reported chunk 1's blocks as not loaded: vLLM keeps chunk 0 and computes the rest
+    again (kv_load_failure_policy recompute). The tracker follows it back: the next step saves the
+    chunks from 1 on as vLLM computes them now (none was saved in the failed step), from the
+    request's own blocks, and loads nothing."""
+    side = scheduler(hit=3 * CHUNK)
+    req = request(n=4 * CHUNK + 10)
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, False)
+    side.update_state_after_alloc(req, None, 3 * CHUNK)
+    first = side.build_connector_meta(output(new=[new_req(req, range(9), 3 * CHUNK)], scheduled={"r": CHUNK + 10}))
+    (loads,) = first.requests
+    assert loads.load_spec.can_load and loads.save_spec.skip_leading_tokens == 3 * CHUNK
+    # vLLM: blocks 2.. did not load; num_computed_tokens back to chunk 0's end, the rest scheduled again
+    again = side.build_connector_meta(output(cached=cached_step("r", CHUNK), scheduled={"r": 3 * CHUNK + 10}))
+    (recomputed,) = again.requests
+    assert recomputed.load_spec is None
+    assert recomputed.save_spec == SaveSpec(CHUNK, True) and recomputed.num_tokens == 4 * CHUNK
+    assert recomputed.slots(CHUNK, 4 * CHUNK).tolist() == list(range(CHUNK, 4 * CHUNK)), "the request's own blocks"
+    assert recomputed.chunk_hashes.hashes == TokenChain(CHUNK).chunk_hashes(req.prompt_token_ids[:4 * CHUNK]
+                                                                            ).since(CHUNK).hashes
 
 
 def test_request_finished_for_a_request_never_seen_holds_nothing_and_keeps_nothing():

@@ -68,11 +68,11 @@ def save(side: WorkerSide) -> WorkerSide:
     return side
 
 
-def real_engine(closing: list, layerwise: bool = False):
+def real_engine(closing: list, layerwise: bool = False, **cfg_kw):
     from lmcache_triton import LMCacheEngineMetadata, create_gpu_connector
     from lmcache_triton.engine.engine import LMCacheEngine
 
-    cfg = config(use_layerwise=layerwise)
+    cfg = config(use_layerwise=layerwise, **cfg_kw)
     metadata = LMCacheEngineMetadata(model_name="glue/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
                                      kv_shape=(2, 2, CHUNK, 2, 16))
     engine = LMCacheEngine(cfg, metadata, create_gpu_connector(cfg, metadata, "vllm_cpu"))
