@@ -78,6 +78,23 @@ def _drain(gen: Generator) -> object:
             return stop.value
 
 
+def _stepwise_inference(gen: Generator):
+    """`gen`'s steps, each run in inference mode and only while it runs: a `with` around a `yield`
+    would leave the caller's thread in inference mode while the generator waits (and for good if
+    it is dropped unfinished), so tensors the caller makes meanwhile could not be written in place."""
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    item = next(gen)
+                except StopIteration as stop:
+                    return stop.value
+            yield item
+    finally:  # closed early (vLLM gave up on the step): the steps' own cleanup runs now
+        with torch.inference_mode():
+            gen.close()
+
+
 def _relative_error(fresh: torch.Tensor, stored: torch.Tensor) -> float:
     a, b = fresh.float(), stored.float()
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
@@ -297,8 +314,7 @@ class LMCacheEngine:
         if not self.layerwise:
             raise RuntimeError("store_layer needs a layerwise GPU connector (config use_layerwise: true)")
         target = self._target(kvcaches, slot_mapping, offset)
-        with torch.inference_mode():
-            yield from self._store_steps(tokens, mask, target, _scope(scope))
+        return (yield from _stepwise_inference(self._store_steps(tokens, mask, target, _scope(scope))))
 
     # ---- prefill/decode disaggregation -----------------------------------------------------------
     @torch.inference_mode()
@@ -408,8 +424,7 @@ class LMCacheEngine:
         if not self.layerwise:
             raise RuntimeError("retrieve_layer needs a layerwise GPU connector (config use_layerwise: true)")
         target = self._target(kvcaches, slot_mapping, offset, write_paged)
-        with torch.inference_mode():
-            return (yield from self._retrieve_steps(tokens, mask, target, _scope(scope)))
+        return (yield from _stepwise_inference(self._retrieve_steps(tokens, mask, target, _scope(scope))))
 
     # ---- lookup --------------------------------------------------------------------------------
     def lookup(self, tokens: TokensOrCount, reserve: bool = False, *, lookup_id: str | None = None,

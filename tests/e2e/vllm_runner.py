@@ -231,9 +231,6 @@ def main() -> None:
         if "generate" in step:
             results["steps"].append(generate_step(llm, step["generate"]))
             continue
-        if (done := fault_step(llm, step)) is not None:
-
-
         if (done := fault_step(llm, step) or lifecycle_step(llm, step)) is not None:
             results["steps"].append(done)
             continue

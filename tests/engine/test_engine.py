@@ -202,6 +202,7 @@ def test_layerwise_generators_step_one_layer_at_a_time():
     with pytest.raises(StopIteration) as end:
         next(retriever)
     assert end.value.value.all(), "the generator returns the mask of loaded tokens"
+    assert not torch.is_inference_mode_enabled(), "between steps the caller's thread is as it was"
     assert torch.equal(paged_gather(dst, slots, "vllm_cpu"), paged_gather(src, slots, "vllm_cpu"))
     assert engine.storage_manager.cpu.num_held == 0, "a finished load leaves nothing held"
 
@@ -218,6 +219,7 @@ def test_layerwise_generators_closed_early_leak_nothing():
     engine.store(tokens, kvcaches=src, slot_mapping=slots)
     retriever = engine.retrieve_layer(tokens, kvcaches=caches(fill=0), slot_mapping=slots)
     next(retriever)
+    assert not torch.is_inference_mode_enabled(), "a waiting generator leaves the caller out of inference mode"
     assert engine.storage_manager.cpu.num_held > 0
     retriever.close()
     assert engine.storage_manager.cpu.num_held == 0, "a load closed early releases its holds"
