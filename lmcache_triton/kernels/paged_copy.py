@@ -323,15 +323,50 @@ def _launch(kernel, layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, s
                      **constexprs)
 
 
+_cpu_copy = None  # kernels.cpu_copy once imported (numba is imported on the first CPU copy, not here)
+
+
+def host_copy(gather: bool, layers: Layers, slots: torch.Tensor, chunks4: Sequence[torch.Tensor],
+              spans: Sequence[tuple[int, int]]) -> bool:
+    """The CPU cache's copy by ``cpu_copy`` (compiled, at memory speed) where it applies: chunks in
+    host memory with dense rows, numba importable. False: the caller takes the torch path."""
+    if not host_copy_available() or layers.device.type != "cpu" or \
+            any(c.device.type != "cpu" or (c.stride(3) != 1 and c.shape[3] > 1) for c in chunks4):
+        return False
+    _cpu_copy.move(gather, layers, slots, chunks4, spans)
+    return True
+
+
+def warm_up_host_copy() -> bool:
+    """Compiles the CPU copy now (a vLLM worker on a CPU cache calls it at start-up) rather than on
+    the first request. False where numba is missing (the torch path serves)."""
+    if not host_copy_available():
+        return False
+    _cpu_copy.warm_up()
+    return True
+
+
+def host_copy_available() -> bool:
+    global _cpu_copy
+    if _cpu_copy is None:
+        try:
+            from . import cpu_copy
+        except ImportError:  # numba missing or broken: the torch path serves, slower
+            _cpu_copy = False
+        else:
+            _cpu_copy = cpu_copy
+    return _cpu_copy is not False
+
+
 def gather_into(layers: Layers, slots: torch.Tensor, out4: torch.Tensor, start: int = 0, end: int | None = None) -> None:
-    """The launchers' dispatch below their argument checks: Triton kernel or torch reference, for
+    """The launchers' dispatch below their argument checks: Triton kernel, the CPU copy or the torch reference, for
     slots[start:end] (the kernel reads from `start` on: no slice per chunk). ``out4`` is any chunk
     format as a [num_kv, L, T, hidden] view (``reference.as_2ltd``)."""
     end = len(slots) if end is None else end
     if use_triton(layers.device):
         placement = _check_chunk_device(out4, "out", layers)
         _launch(_paged_gather_kernel, layers, slots, out4, start, end, placement=placement)
-    else:
+    elif not host_copy(True, layers, slots, [out4], [(start, end)]):
         gather_into_ref(layers, slots[start:end], out4)
 
 
@@ -342,7 +377,7 @@ def scatter_from(layers: Layers, slots: torch.Tensor, chunk4: torch.Tensor, star
     if use_triton(layers.device):
         placement = _check_chunk_device(chunk4, "chunk", layers)
         _launch(_paged_scatter_kernel, layers, slots, chunk4, start, end, placement=placement)
-    else:
+    elif not host_copy(False, layers, slots, [chunk4], [(start, end)]):
         scatter_from_ref(layers, slots[start:end], chunk4)
 
 
@@ -385,8 +420,10 @@ class PagedTarget:
         shape = (layer_chunk_shape if per_layer else chunk_shape)(layers, end - start)
         check_chunk(chunk, name, shape, layers.dtype)
         if not use_triton(layers.device):
-            ref = gather_into_ref if kernel is _paged_gather_kernel else scatter_from_ref
-            ref(layers, self.slots[start:end], as_2ltd(chunk, per_layer, layers.geometry.use_mla))
+            chunk4 = as_2ltd(chunk, per_layer, layers.geometry.use_mla)
+            gather = kernel is _paged_gather_kernel
+            if not host_copy(gather, layers, self.slots, [chunk4], [(start, end)]):
+                (gather_into_ref if gather else scatter_from_ref)(layers, self.slots[start:end], chunk4)
             return
         placement = _check_chunk_device(chunk, name, layers)
         # The [num_kv, L, T, hidden] strides of a per-layer chunk, without making its view (two
@@ -398,7 +435,7 @@ class PagedTarget:
     def _move_many(self, kernel, chunks: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]], name: str) -> None:
         layers = self.layers
         # Triton launches are per chunk anyway; one layer may come in the per-layer formats (_move)
-        if use_triton(layers.device) or layers.num_layers == 1 or len(spans) < 2:
+        if use_triton(layers.device) or (layers.num_layers == 1 and any(c.dim() < 4 for c in chunks)) or len(spans) < 2:
             for chunk, (start, end) in zip(chunks, spans, strict=True):
                 self._move(kernel, chunk, start, end, name)
             return
@@ -408,7 +445,9 @@ class PagedTarget:
             if not 0 <= start <= end <= len(self.slots):
                 raise ValueError(f"slot_mapping (length {len(self.slots)}) does not cover tokens [{start}, {end})")
             check_chunk(chunk, name, chunk_shape(layers, end - start), layers.dtype)
-        (gather_spans_ref if kernel is _paged_gather_kernel else scatter_spans_ref)(layers, self.slots, spans, chunks)
+        gather = kernel is _paged_gather_kernel
+        if not host_copy(gather, layers, self.slots, chunks, spans):
+            (gather_spans_ref if gather else scatter_spans_ref)(layers, self.slots, spans, chunks)
 
     def gather_many(self, spans: Sequence[tuple[int, int]], outs: Sequence[torch.Tensor]) -> None:
         """`gather` of each span of tokens into its chunk (KV_2LTD / KV_MLA): on CPU tensors the

@@ -1,4 +1,6 @@
-"""The CPU serving path (kernels/reference.py) at the block sizes vLLM uses, against the oracle.
+"""The torch path of a CPU cache (kernels/reference.py: where numba is missing) at the block sizes
+vLLM uses, against the oracle. (The compiled copy that serves where numba is there, i.e. always
+with vLLM: test_cpu_copy.py.)
 
 Every layout vLLM hands over (vllm_packed in each of its six stride orders, vllm_cpu, flash_attn,
 flashinfer, mla), block sizes 16 and 128, both directions and both chunk formats, into
@@ -59,8 +61,9 @@ def chunk_shape(layout: str, scope: str, num_tokens: int) -> tuple[int, ...]:
 
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
-    """What a CPU host without TRITON_INTERPRET runs: the launchers' torch path."""
+    """What a CPU host without TRITON_INTERPRET and numba runs: the launchers' torch path."""
     monkeypatch.setattr(paged_copy, "use_triton", lambda device: False)
+    monkeypatch.setattr(paged_copy, "_cpu_copy", False)
 
 
 def moved(fn) -> dict[str, int]:

