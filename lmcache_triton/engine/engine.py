@@ -472,7 +472,8 @@ class LMCacheEngine:
         keys = [k for _, _, key in chunks for k in self._object_keys(key)]
         sm = self.storage_manager
         held: list[Hold] = []
-        located = sm.locate_prefix(keys, held)  # the CPU tier's part held, the lower tiers asked
+        # the CPU tier's part held (for a reservation), the lower tiers asked
+        located = sm.locate_prefix(keys, held if lease is not None else None)
         whole = len(located) // steps
         if whole < len(chunks):  # the rest is unusable behind the first missing chunk
             misses[sm.miss_reason(keys[len(located)])] += covered - chunks[whole][0]

@@ -25,6 +25,7 @@ import torch
 
 from lmcache_triton.config import LMCacheEngineConfig
 from lmcache_triton.kernels import LAYOUTS, PagedTarget, kv_geometry, paged_scatter_layer
+from lmcache_triton.kernels.paged_copy import warm_up_host_copy
 from lmcache_triton.kernels.common import to_device
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.storage.memory import MemoryFormat, MemoryObj
@@ -543,6 +544,8 @@ def create_gpu_connector(config: LMCacheEngineConfig, metadata: LMCacheEngineMet
         cls = VLLMPagedMemLayerwiseGPUConnector
     else:
         cls = VLLMPagedMemGPUConnectorV2
+    if torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available():
+        warm_up_host_copy()  # the CPU copy compiled now, with the engine, not on its first store
     return cls(hidden_dim_size=metadata.hidden_dim_size, num_layers=metadata.num_layers,
                chunk_size=config.chunk_size, dtype=metadata.kv_dtype, layout=layout,
                use_mla=metadata.use_mla, device=device)

@@ -287,17 +287,24 @@ class StorageManager:
         return True
 
     # ---- loads in two steps: where the chunks are, then (as much as is worth it) read them ----------
-    def locate_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold]) -> Located:
+    def locate_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold] | None) -> Located:
         """Where the longest kept prefix of `keys` is, reading nothing from a lower tier: the CPU
-        tier's part is held at once (appended to `hold_into`), each lower tier is asked once what
-        it keeps of the rest (a round trip). The first key no tier keeps has its miss reason noted."""
+        tier's part is held at once (appended to `hold_into`; None: a lookup that reserves nothing,
+        counted under one lock), each lower tier is asked once what it keeps of the rest (a round
+        trip). The first key no tier keeps has its miss reason noted."""
         held = 0
-        for key in keys:
-            obj = self.get_in_memory(key)
-            if obj is None:
-                break
-            hold_into.append((key, obj))
-            held += 1
+        if hold_into is None and not self._staged:
+            held = self.cpu.count_prefix(keys)
+        else:
+            for key in keys:
+                obj = self.get_in_memory(key)
+                if obj is None:
+                    break
+                if hold_into is None:
+                    self.release(key, obj)
+                else:
+                    hold_into.append((key, obj))
+                held += 1
         located = Located(held)
         rest = keys[held:]
         if not rest or not self.tiers:

@@ -111,6 +111,13 @@ class TransferEstimate:
                 return None
             return (self.latency_s or 0.0) * calls + nbytes * self.seconds_per_byte
 
+    def linear(self) -> tuple[float, float] | None:
+        """(seconds per call, seconds per byte) of `seconds`, read once for many estimates."""
+        with self._lock:
+            if self.seconds_per_byte is None:
+                return None
+            return self.latency_s or 0.0, self.seconds_per_byte
+
     def snapshot(self) -> TransferCost:
         slow = self.slow
         with self._lock:

@@ -17,7 +17,6 @@ from lmcache_triton.engine.gpu_connector import create_gpu_connector
 from lmcache_triton.integration.vllm.common import kv_identity, world_size
 from lmcache_triton.integration.vllm.paged import adapt_kv_caches
 from lmcache_triton.kernels import kv_geometry
-from lmcache_triton.kernels.paged_copy import warm_up_host_copy
 from lmcache_triton.metadata import LMCacheEngineMetadata
 from lmcache_triton.observability import prometheus
 
@@ -54,8 +53,6 @@ def build_rank_engine(vllm_config: Any, config: LMCacheEngineConfig, kv_caches: 
         # AMX blocks hold K in another (unverified) order than the "vec" blocks: never mixed.
         kv_identity=kv_identity(vllm_config, f"{layout}-amx" if blocks_opaque else layout))
     connector = create_gpu_connector(config, metadata, layout, device=kvcaches[0].device)
-    if kvcaches[0].device.type == "cpu":
-        warm_up_host_copy()  # compiled now, not on the first request's load
     mode = model = None
     if config.enable_blending:
         from lmcache_triton.blend.mode import blend_cache_mode
