@@ -13,18 +13,21 @@ default all), and are sent one request at a time, so only one computes at any mo
   loaded by the connector.
 - **prefix**: vLLM alone with its own prefix cache.
 
-Cold, at each of `--cold-tokens`: `--pairs` fresh prompts, each sent to *without* and to *with*,
-which of the two goes first alternating pair by pair, so the machine's drift falls on both
-alike. The ratio with / without is reported per pair: its median and its spread (lowest, highest)
-tell a cost of the connector from noise.
+Cold, at each of `--cold-tokens`: after a throwaway prompt of that length to each of the two (an
+engine's first requests at a new length ran up to 2x slower), `--pairs` fresh prompts, each sent
+to *without* and to *with*, which of the two goes first alternating pair by pair, so the machine's
+drift falls on both alike. The ratio with / without is reported per pair: its median and its
+spread (lowest, highest) tell a cost of the connector from noise.
 
 Warm, at each of `--tokens`: `--repeats` prompts that *with* computed before (the cold ones where
 there are; their KV is saved after the step, `SAVE_GAP_S` before the warm request), each sent
 again to *with* (loaded: all but the last token) and measured against its **floor**, measured
 beside it: a plain copy of the prompt's KV bytes (torch, this process, the engines idle) plus
-vLLM's own prefix-cache hit on the same length (*prefix*: a prompt of n + 1 tokens sent twice;
-the second computes one token through vLLM's whole request path, the KV already in place). Warm /
-floor is how far the load path is from what memory and vLLM allow; medians of each repeat's ratio.
+vLLM's own prefix-cache hit on the same length (*prefix*: a prompt of n + 1 tokens, computed once;
+sent again, it computes one token through vLLM's whole request path, the KV already in place).
+The load and the hit are each timed `SAMPLES` times in a row, medians; a request to another
+engine than the last waits `SWITCH_GAP_S` first. Warm / floor is how far the load path is from
+what memory and vLLM allow; medians of each prompt's ratio.
 
 TTFT is the wall time of `LLM.generate(max_tokens=1)`, after one warm-up request per engine.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -54,6 +58,14 @@ BENCH_SPEC = TinyLlamaSpec(hidden_size=512, num_hidden_layers=6, num_attention_h
 # step, in the background, and a lookup first waits for saves already queued (an 8K-token prompt's
 # 96 MiB, float32, on one thread: ~40-50 ms here), which is not the load this bench measures.
 SAVE_GAP_S = 1.0
+# The seed of the prompts that warm an engine up at a new length (never measured).
+WARM_UP_SEED = 999_999
+# Warm loads and vLLM hits timed per warm prompt (medians).
+SAMPLES = 5
+# Before a request goes to another engine than the last one: an engine's compute threads keep
+# spinning for a while after its step, and took the cores from the next engine's first request
+# (a 2K-token vLLM hit measured 278 ms right after a load on the other engine, 22 ms alone).
+SWITCH_GAP_S = 0.5
 
 
 def _model_config(model: str) -> dict:
@@ -79,7 +91,9 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
 
     from lmcache_triton.tools.vllm_demo import start_llm
 
-    connector = {"lmcache.max_local_cpu_size": 4.0} if which == "with" else None
+    # 2 GB holds every prompt this bench stores (32K float32 tokens are 384 MiB) with room; more only
+    # takes memory from the other two engines on a small host
+    connector = {"lmcache.max_local_cpu_size": 2.0} if which == "with" else None
     llm = start_llm(model, connector=connector, max_model_len=max_tokens_len + 64, dtype=dtype,
                     prefix_caching=which == "prefix")
 
@@ -90,7 +104,8 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
         return time.perf_counter() - t, out.num_cached_tokens or 0
 
     run(random_prompt(1024, seed=999, vocab_size=_model_config(model)["vocab_size"]), 1)  # first-call costs
-    print("READY", flush=True)
+    print(f"READY threads={torch.get_num_threads()} affinity={sorted(os.sched_getaffinity(0))} "
+          f"omp={os.environ.get('OMP_NUM_THREADS')} bind={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}", flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
         seconds, cached = run(_prompt(model, ask["tokens"], ask["seed"]), ask.get("max_tokens", 1))
@@ -109,6 +124,7 @@ class _Engine:
     def ready(self) -> None:
         for line in self.proc.stdout:
             if line.startswith("READY"):
+                print(f"  {self.which} engine {line.strip()}", flush=True)
                 return
         raise SystemExit(f"the {self.which} engine exited before it was ready ({self.proc.wait()})")
 
@@ -141,15 +157,27 @@ def _spread(values: list[float]) -> dict:
 
 
 def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -> list[dict]:
+    last = [None]
+
+    def ask(which: str, tokens: int, seed: int) -> dict:
+        if last[0] not in (None, which):
+            time.sleep(SWITCH_GAP_S)
+        last[0] = which
+        return engines[which].ttft(tokens, seed)
+
     rows = []
     for n in args.tokens:
         row: dict = {"tokens": n}
         seeds = list(range(args.pairs if n in args.cold_tokens else args.repeats))
         if n in args.cold_tokens:
+            # a throwaway prompt of this length to both first: an engine's first requests of a new
+            # length ran up to 2x slower (its compute library setting up for the new shapes)
+            for w in ("without", "with"):
+                ask(w, n, WARM_UP_SEED)
             pairs = []
             for i in seeds:   # a fresh prompt per pair, to both engines, the first of them alternating
                 order = ("without", "with") if i % 2 == 0 else ("with", "without")
-                got = {w: engines[w].ttft(n, i)["ms"] for w in order}
+                got = {w: ask(w, n, i)["ms"] for w in order}
                 pairs.append({"without_ms": got["without"], "with_ms": got["with"], "first": order[0],
                               "ratio": got["with"] / got["without"]})
                 print(f"  {n} tokens, pair {i}: without {got['without']:.1f} ms, with {got['with']:.1f} ms "
@@ -161,11 +189,15 @@ def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -
         warm = []
         for i in seeds[: args.repeats]:
             if n not in args.cold_tokens:
-                engines["with"].ttft(n, i)      # computed and saved once, to be loaded below
+                ask("with", n, i)               # computed and saved once, to be loaded below
             time.sleep(SAVE_GAP_S)              # its KV saved (after the step) before the warm request
-            loaded = engines["with"].ttft(n, i)
-            engines["prefix"].ttft(n + 1, i)    # n + 1 tokens: then a hit on n (whole blocks), one computed
-            hit = engines["prefix"].ttft(n + 1, i)
+            # each side `SAMPLES` times in a row (a load again each time: the prefix cache is off in
+            # *with*), medians: a single vLLM hit here ranged 44-189 ms at 8K tokens
+            loads = [ask("with", n, i) for _ in range(SAMPLES)]
+            ask("prefix", n + 1, i)             # n + 1 tokens: then a hit on n (whole blocks), one computed
+            hits = [ask("prefix", n + 1, i) for _ in range(SAMPLES)]
+            loaded = {"ms": median([x["ms"] for x in loads]), "cached": min(x["cached"] for x in loads)}
+            hit = {"ms": median([x["ms"] for x in hits]), "cached": min(x["cached"] for x in hits)}
             copy = _copy_ms(n * kv_bytes_per_token(model, args.dtype))
             floor = copy + hit["ms"]
             warm.append({"warm_ms": loaded["ms"], "loaded_tokens": loaded["cached"], "copy_ms": copy,

@@ -469,7 +469,7 @@ class LMCacheEngine:
         if not chunks:
             return 0, lease
         steps = self.gpu_connector.steps  # objects per chunk: 1, or one per layer
-        keys = [k for _, _, key in chunks for k in self._object_keys(key)]
+        keys = [k for _, _, key in chunks for k in self._object_keys(key)] if steps > 1 else [key for _, _, key in chunks]
         sm = self.storage_manager
         held: list[Hold] = []
         # the CPU tier's part held (for a reservation), the lower tiers asked

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lmcache_triton.storage.transfer_cost import ALPHA, TransferEstimate
 
@@ -39,10 +40,9 @@ NOISE_S = 0.02
 DEADLINE_SLACK_S = 0.05
 
 
-@dataclass(frozen=True)
-class ChunkAt:
+class ChunkAt(NamedTuple):
     """One chunk of the found prefix: the tier keeping it, its tokens, bytes and calls to read it
-    (one, or one per layer in layerwise mode)."""
+    (one, or one per layer in layerwise mode). A tuple: a lookup makes one per chunk."""
 
     tier: str
     tokens: int

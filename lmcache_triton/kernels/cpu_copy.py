@@ -25,12 +25,14 @@ libc's memcpy of the same runs ran at 0.7x.
 
 Threads: a load runs before the step's forward and a store after it, when vLLM's compute threads
 are idle, so a copy takes as many threads as torch computes with (``torch.get_num_threads()``:
-vLLM sets it to the cores of ``VLLM_CPU_OMP_THREADS_BIND``), the calling thread one of them; a copy
+vLLM sets it to the cores of ``VLLM_CPU_OMP_THREADS_BIND``), the calling thread one of them, the
+others each pinned to one more core of that team where vLLM pinned it (``team_cores``); a copy
 under ``_MIN_BYTES_PER_THREAD`` per thread takes fewer (a hand-off costs ~30 us).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -427,11 +429,41 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def team_cores() -> list[int]:
+    """The cores of the OpenMP team vLLM pinned (VLLM_CPU_OMP_THREADS_BIND pins each of its threads
+    to one core, the worker's main thread to the first), the calling thread's first; [] where the
+    calling thread is not pinned to one core (then the pool's threads run where this process may)."""
+    own = os.sched_getaffinity(0)
+    if len(own) != 1:
+        return []
+    cores: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            mask = os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+        if len(mask) == 1:
+            cores |= mask
+    first = next(iter(own))
+    return [first, *sorted(cores - {first})]
+
+
+def _pin_to(cores: list[int], taken: list[int]) -> None:
+    """A pool thread's initializer: the next core of the team (threads created by a pinned thread
+    inherit its one core, and would all share it)."""
+    with _pool_lock:
+        i = taken[0]
+        taken[0] += 1
+    os.sched_setaffinity(0, {cores[1 + i % (len(cores) - 1)]})
+
+
 def _threads_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-cpu-copy")
+            cores = team_cores()
+            pin = dict(initializer=_pin_to, initargs=(cores, [0])) if len(cores) > 1 else {}
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-cpu-copy", **pin)
         return _pool
 
 

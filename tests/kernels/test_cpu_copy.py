@@ -203,3 +203,41 @@ def test_warm_up_compiles_for_any_layout():
     """What a vLLM worker on a CPU cache calls at start-up."""
     assert paged_copy.warm_up_host_copy()
     assert cpu_copy._copy.signatures and cpu_copy._units.signatures
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_pool_threads_follow_a_pinned_team():
+    """Under VLLM_CPU_OMP_THREADS_BIND vLLM pins each OpenMP thread to one core and the worker's
+    main thread to the first: the copy's other threads go to the team's other cores, not all onto
+    the main thread's one (which they would inherit)."""
+    import os
+    import threading
+
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    seen, ready, done = {}, threading.Event(), threading.Event()
+
+    def omp_thread():               # a team member pinned to the second core
+        os.sched_setaffinity(0, {second})
+        ready.set()
+        done.wait(10)
+
+    def main_thread():              # the worker's main thread, pinned to the first
+        os.sched_setaffinity(0, {first})
+        seen["team"] = cpu_copy.team_cores()
+        taken = [0]
+        cpu_copy._pin_to(seen["team"], taken)
+        seen["pinned"] = sorted(os.sched_getaffinity(0))
+
+    member = threading.Thread(target=omp_thread)
+    member.start()
+    ready.wait(10)
+    try:
+        t = threading.Thread(target=main_thread)
+        t.start()
+        t.join(10)
+    finally:
+        done.set()
+        member.join(10)
+    assert seen["team"][:1] == [first] and second in seen["team"]
+    assert seen["pinned"] == [seen["team"][1]]
+    assert cpu_copy.team_cores() == [] or len(os.sched_getaffinity(0)) == 1  # this thread: not pinned
