@@ -467,6 +467,16 @@ def _threads_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def close_pool() -> None:
+    """Joins the copy's pool threads (the pool is made again on the next copy that needs it): the
+    pool lives with the process, like torch's own threads; a test that made it ends it."""
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
 def _cache_description(layers: Layers) -> tuple[np.ndarray, np.ndarray, bool]:
     """(addresses [L, KV], byte strides [KV, 4], K and V together) of the cache's K/V views, kept
     with the Layers. Together: K and V have the same strides, their dims dense, and V lies within

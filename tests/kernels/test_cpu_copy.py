@@ -164,11 +164,12 @@ def test_chunk_rows_off_a_32_byte_boundary(direction, offset, compiled):
 
 @pytest.mark.parametrize("threads", [2, 3], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("layout", ["vllm_cpu", "vllm_packed"])
-def test_work_split_over_threads(layout, threads, compiled, monkeypatch):
+def test_work_split_over_threads(layout, threads, compiled, monkeypatch, request):
     """Each thread takes a contiguous share of the (run, layer) items, however the count divides:
     the result is the oracle's. (The calling thread takes the first share.)"""
     monkeypatch.setattr(cpu_copy, "_MIN_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(cpu_copy.torch, "get_num_threads", lambda: threads)
+    request.addfinalizer(cpu_copy.close_pool)  # its threads joined: the session checks for leaks
     gen = torch.Generator().manual_seed(threads)
     dtype, bs = torch.float32, 16
     src = _caches(layout, 2, 16, dtype, bs, 9, 3, lambda s: rand_tensor(s, dtype, "cpu", gen), False)
