@@ -1,8 +1,9 @@
 """Triton kernels of lmcache_triton, each beside its pure-torch reference.
 
 One file per kernel family (``paged_copy``, ``rope``, ``blend``), each with its launchers and its
-torch reference (``reference`` for the paged copies, the CPU serving path); ``naive`` is the slow,
-obvious oracle of the paged copies that the tests and the benches check both against.
+torch reference (``reference`` for the paged copies); ``cpu_copy`` is the paged copies' CPU
+serving path (numba, imported on the first CPU copy); ``naive`` is the slow, obvious oracle of the
+paged copies that the tests and the benches check all of them against.
 
 Imports nothing but torch and triton (and the standard library), and has no side effects.
 """
