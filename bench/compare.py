@@ -6,7 +6,10 @@
 
 Four workloads (all by default), each reporting store GB/s, retrieve GB/s, lookup ms and the first
 store GB/s on both sides and the ratios; store and retrieve also as a fraction of a plain copy of the
-same bytes timed around each of them in the same process ("x memcpy"):
+same bytes timed around each of them in the same process ("x memcpy"). The packed-family workloads
+also time "lookup, hashed": the lookup handed the prompt's chunk hashes instead of its ids, as each
+side's vLLM scheduler asks (the ids hashed once per request as they arrive, not timed; LMCache:
+`lookup(hashes=, offsets=)`, ours: the token chain as `chunk_hashes`):
 
 packed: vLLM's packed layout (`vllm_packed`, per layer [num_blocks, heads, block_size, 2*head_size],
 all layers in one allocation as vLLM 0.32 lays them out), block 16, chunk 256, bf16, 8 KV heads x
@@ -60,7 +63,8 @@ WORKLOADS = ("packed", "packed-separate", "cpu", "flash_attn")
 # the packed-family workloads: (layout, layers in separate tensors)
 PACKED_FAMILY = {"packed": ("vllm_packed", False), "packed-separate": ("vllm_packed", True), "cpu": ("vllm_cpu", False)}
 OPS = (("store_gbps", "store GB/s", True), ("retrieve_gbps", "retrieve GB/s", True),
-       ("lookup_ms", "lookup ms", False), ("store_first_gbps", "first store GB/s", True),
+       ("lookup_ms", "lookup ms", False), ("lookup_hashes_ms", "lookup, hashed ms", False),
+       ("store_first_gbps", "first store GB/s", True),
        ("start_ms", "engine start ms", False))
 # If lmcache's full dependency set cannot be installed (its CUDA-only pins), these are what its
 # engine imports on the CPU path; installed beside `lmcache --no-deps`.
@@ -120,6 +124,7 @@ def run_ours(spec_path: str) -> None:
 
     from bench.lmcache_side import run_packed_workload, run_workload
     from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
+    from lmcache_triton.keys import TokenChain
 
     spec = json.loads(Path(spec_path).read_text())
     nbytes = spec["tokens"] * spec["layers"] * 2 * spec["heads"] * spec["head_size"] * 2
@@ -137,9 +142,14 @@ def run_ours(spec_path: str) -> None:
         return LMCacheEngineBuilder.get_or_create("bench-compare", config, metadata,
                                                   create_gpu_connector(config, metadata, layout))
 
+    def hashed_lookup(engine, tokens):
+        # what the connector's scheduler side hands over: the token chain, hashed as tokens arrive
+        hashes = TokenChain(spec["chunk_size"]).chunk_hashes(tokens)
+        return lambda: engine.lookup(len(tokens), chunk_hashes=hashes)
+
     try:
         if packed:
-            out = run_packed_workload(spec, make_engine)
+            out = run_packed_workload(spec, make_engine, hashed_lookup)
         else:
             engine = make_engine()
             out = run_workload(spec, engine, engine.storage_manager.clear)
@@ -277,8 +287,9 @@ def _print(result: dict) -> None:
             for side in ("lmcache_triton", "lmcache"):
                 s = r[side]
                 if "verified" in s or "lookup_hits" in s:
-                    print(f"{'':24} {side}: retrieved {s.get('retrieved_tokens')} / lookup {s.get('lookup_hits')} of "
-                          f"{r['tokens']} tokens, bytes equal: {s.get('verified')}")
+                    hashed = f" (by hashes {s['lookup_hashes_hits']})" if "lookup_hashes_hits" in s else ""
+                    print(f"{'':24} {side}: retrieved {s.get('retrieved_tokens')} / lookup {s.get('lookup_hits')}{hashed} "
+                          f"of {r['tokens']} tokens, bytes equal: {s.get('verified')}")
                 for key in ("stores_gbps", "retrieves_gbps"):
                     if key in s:
                         print(f"{'':24} {side} {key[:-5]} GB/s per prompt: " + " ".join(f"{v:.2f}" for v in s[key]))

@@ -171,10 +171,14 @@ def _packed_rows(caches: list[torch.Tensor], slots: torch.Tensor, layout: str = 
     return [c[blk, :, off].view(torch.int16) for c in caches]
 
 
-def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
+def run_packed_workload(spec: dict, make_engine: Callable[[], Any],
+                        hashed_lookup: Callable[[Any, torch.Tensor], Callable[[], int]] | None = None) -> dict:
     """The inputs first, then `make_engine()` (a fresh engine), then at once the warm-up prompt:
-    its store is the first store. Then `prompts` x (store, lookup, retrieve) of new prompts;
-    medians. An operation that raises is "not comparable: <reason>"."""
+    its store is the first store. Then `prompts` x (store, lookup, lookup by chunk hashes,
+    retrieve) of new prompts; medians. `hashed_lookup(engine, tokens)` hashes the prompt's chunks
+    as the side's vLLM scheduler does (once per request, as its tokens arrive: not timed) and
+    returns the lookup that is handed those hashes instead of the token ids. An operation that
+    raises is "not comparable: <reason>"."""
     x = make_packed_inputs(spec)
     gb = x["bytes"] / 1e9
     out: dict[str, Any] = {"bytes": x["bytes"]}
@@ -189,6 +193,7 @@ def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
     # its KV caches, then warms up for seconds): `settle_s` of that, the same on both sides.
     time.sleep(float(spec.get("settle_s", 0.0)))
     stores, lookups, retrieves, hits, found, verified = [], [], [], [], [], []
+    hashed_lookups, hashed_hits = [], []
     for i, p in enumerate(x["prompts"]):
         before = copy() if i else 0.0
         try:
@@ -198,6 +203,14 @@ def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
             out.setdefault("store_first_gbps", _not_comparable(e))
             return {**out, **{k: _not_comparable(e) for k in ("store_gbps", "lookup_ms", "retrieve_gbps")}}
         t_lookup, n = _timed(lambda: engine.lookup(p["tokens"]))  # right after its store, as a server's
+        if hashed_lookup is not None and i:
+            try:
+                t_hashed, n_hashed = _timed(hashed_lookup(engine, p["tokens"]))
+                hashed_lookups.append(t_hashed), hashed_hits.append(int(n_hashed))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(file=sys.stderr)
+                out["lookup_hashes_ms"] = _not_comparable(e)
+                hashed_lookup = None
         if i == 0:
             out["store_first_gbps"] = gb / t
         else:
@@ -223,6 +236,8 @@ def run_packed_workload(spec: dict, make_engine: Callable[[], Any]) -> dict:
     out |= {"store_gbps": gb / statistics.median(stores), "lookup_ms": statistics.median(lookups) * 1e3,
             "lookup_hits": min(hits), "stores_gbps": [gb / t for t in stores],
             "store_vs_copy": statistics.median(store_vs_copy)}
+    if hashed_lookups:
+        out |= {"lookup_hashes_ms": statistics.median(hashed_lookups) * 1e3, "lookup_hashes_hits": min(hashed_hits)}
     if retrieves:
         out |= {"retrieve_gbps": gb / statistics.median(retrieves), "retrieved_tokens": min(found),
                 "retrieves_gbps": [gb / t for t in retrieves], "verified": all(verified),
@@ -390,8 +405,14 @@ def run_lmcache_packed(spec: dict) -> dict:
         engine.post_init()
         return engine
 
+    def hashed_lookup(engine, tokens):
+        # what its vLLM scheduler hands over in place of the ids: the prefix hashes and chunk lengths
+        spans = list(engine.token_database.process_tokens(tokens, make_key=False))
+        hashes, offsets = [h for _, _, h in spans], [e - s for s, e, _ in spans]
+        return lambda: engine.lookup(hashes=hashes, offsets=offsets)
+
     try:
-        return {"notes": notes, **run_packed_workload(spec, make_engine)}
+        return {"notes": notes, **run_packed_workload(spec, make_engine, hashed_lookup)}
     finally:
         LMCacheEngineBuilder.destroy("bench-compare-packed")
 

@@ -177,7 +177,7 @@ class LMCacheEngine:
         # vLLM's forward time per token on this worker (the integration feeds it each step): what
         # not loading a chunk costs (load_policy.py).
         self.prefill = PrefillEstimate()
-        self.reservations = LookupReservations(self.storage_manager.release, config.reservation_lease_secs)
+        self.reservations = LookupReservations(self.storage_manager.release_all, config.reservation_lease_secs)
         self._verify_logged: set[CacheEngineKey] = set()
         logger.info(
             "lmcache_triton engine: model=%s rank=%d/%d dtype=%s kv_shape=%s connector=%s layout=%s config: %s",

@@ -20,9 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from lmcache_triton.storage.memory import MemoryObj
 from lmcache_triton.storage.manager import Hold
-from lmcache_triton.keys import CacheEngineKey
 
 
 @dataclass
@@ -35,9 +33,9 @@ class Lease:
 
 
 class LookupReservations:
-    def __init__(self, release: Callable[[CacheEngineKey, MemoryObj], None], lease_s: float,
+    def __init__(self, release_all: Callable[[list[Hold]], None], lease_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._release = release
+        self._release_holds = release_all  # StorageManager.release_all
         self.lease_s = lease_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -122,5 +120,4 @@ class LookupReservations:
             return sum(len(lease.holds) for lease in self._leases.values())
 
     def _release_all(self, holds: Iterable[Hold]) -> None:
-        for key, obj in holds:
-            self._release(key, obj)
+        self._release_holds(list(holds))

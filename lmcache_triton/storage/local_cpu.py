@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -68,6 +68,29 @@ class LocalCPUBackend:
             self._stats.hits += 1
             obj.hold()
             return obj
+
+    def hold_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[tuple[CacheEngineKey, MemoryObj]]) -> int:
+        """`get` of each of `keys` in turn until the first absent one, under one lock: the objects
+        held for the caller, appended to `hold_into` as (key, object); how many. (A reserving
+        lookup of 32 chunks and its release, hot, on the 2-core host: 229 us with a lock per chunk
+        on each side, 164 us with one.)"""
+        n = 0
+        with self._lock:
+            for key in keys:
+                obj = self._objs.touch(key)
+                if obj is None:
+                    self._stats.misses += 1
+                    break
+                obj.hold()
+                hold_into.append((key, obj))
+                n += 1
+            self._stats.hits += n
+        return n
+
+    def unkept(self, pairs: Iterable[tuple[CacheEngineKey, MemoryObj]]) -> list[tuple[CacheEngineKey, MemoryObj]]:
+        """Those of the (key, object) pairs whose object this tier does not keep under its key."""
+        with self._lock:
+            return [(key, obj) for key, obj in pairs if self._objs.get(key) is not obj]
 
     def keeps(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
         """Whether `obj` is the object this tier keeps under `key`."""

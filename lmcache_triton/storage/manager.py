@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -293,8 +293,8 @@ class StorageManager:
         counted under one lock), each lower tier is asked once what it keeps of the rest (a round
         trip). The first key no tier keeps has its miss reason noted."""
         held = 0
-        if hold_into is None and not self._staged:
-            held = self.cpu.count_prefix(keys)
+        if not self._staged:  # the CPU tier alone: under its one lock
+            held = self.cpu.count_prefix(keys) if hold_into is None else self.cpu.hold_prefix(keys, hold_into)
         else:
             for key in keys:
                 obj = self.get_in_memory(key)
@@ -452,12 +452,26 @@ class StorageManager:
         racing free once)."""
         obj.unhold()
         if not obj.is_held and not self.cpu.keeps(key, obj):
-            with self._staged_lock:
-                if obj.is_held:  # get_in_memory took it again meanwhile
-                    return
-                if self._staged.get(key) is obj:
-                    del self._staged[key]
-            obj.free()
+            self._free_unkept(key, obj)
+
+    def release_all(self, holds: Iterable[Hold]) -> None:
+        """`release` of each hold, the CPU tier asked once for those no longer held."""
+        unheld = []
+        for key, obj in holds:
+            obj.unhold()
+            if not obj.is_held:
+                unheld.append((key, obj))
+        if unheld:
+            for key, obj in self.cpu.unkept(unheld):
+                self._free_unkept(key, obj)
+
+    def _free_unkept(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        with self._staged_lock:
+            if obj.is_held:  # get_in_memory took it again meanwhile
+                return
+            if self._staged.get(key) is obj:
+                del self._staged[key]
+        obj.free()
 
     # ---- writes ----------------------------------------------------------------------------------
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:

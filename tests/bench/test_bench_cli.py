@@ -128,17 +128,24 @@ def test_compare_packed_inputs_are_vllm_packed_in_whole_blocks_a_new_order_per_p
 def test_compare_packed_workload_on_our_engine_round_trips():
     from bench.lmcache_side import run_packed_workload
     from lmcache_triton import LMCacheEngineBuilder, LMCacheEngineConfig, LMCacheEngineMetadata, create_gpu_connector
+    from lmcache_triton.keys import TokenChain
 
     spec = _PACKED
     config = LMCacheEngineConfig.from_defaults(chunk_size=spec["chunk_size"], max_local_cpu_size=spec["tier_gb"])
     metadata = LMCacheEngineMetadata(model_name="test/packed", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
                                      kv_shape=(spec["layers"], 2, spec["chunk_size"], spec["heads"], spec["head_size"]))
+    def hashed_lookup(engine, tokens):
+        hashes = TokenChain(spec["chunk_size"]).chunk_hashes(tokens)
+        return lambda: engine.lookup(len(tokens), chunk_hashes=hashes)
+
     try:
         out = run_packed_workload(spec, lambda: LMCacheEngineBuilder.get_or_create(
-            "test-compare-packed", config, metadata, create_gpu_connector(config, metadata, "vllm_packed")))
+            "test-compare-packed", config, metadata, create_gpu_connector(config, metadata, "vllm_packed")),
+            hashed_lookup)
     finally:
         LMCacheEngineBuilder.destroy("test-compare-packed")
     assert out["verified"] is True and out["retrieved_tokens"] == out["lookup_hits"] == spec["tokens"]
+    assert out["lookup_hashes_hits"] == spec["tokens"] and isinstance(out["lookup_hashes_ms"], float)
     assert len(out["stores_gbps"]) == len(out["retrieves_gbps"]) == spec["prompts"]
     assert all(isinstance(out[k], float) for k in ("store_gbps", "retrieve_gbps", "lookup_ms", "store_first_gbps"))
 
@@ -155,7 +162,8 @@ def test_bench_compare_runs_both_workloads_on_both_sides(tmp_path):
     files = _written(r.stdout)
     try:
         data = json.loads(next(p for p in files if p.suffix == ".json").read_text())
-        assert [row["workload"] for row in data["rows"]] == ["packed", "flash_attn"]
+        assert [row.get("name", row["workload"]) for row in data["rows"]] == ["packed", "packed-separate", "cpu",
+                                                                              "flash_attn"]
         for row in data["rows"]:
             for side in ("lmcache_triton", "lmcache"):
                 assert row[side]["verified"] is True, (row["workload"], side, row[side])

@@ -72,6 +72,37 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ---- locate_prefix ---------------------------------------------------------------------------------
+def test_locate_holds_the_cpu_prefix_at_once_and_release_all_frees_only_what_no_tier_keeps(kv_metadata, make_chunk,
+                                                                                           managers):
+    """The CPU tier alone: locate_prefix holds the present prefix under one lock, up to the first
+    absent key (a miss counted once). release_all ends every hold; an object the tier dropped while
+    held goes back to the pool at its last release, one the tier keeps stays, one still held by
+    another reader stays too."""
+    m = managers(kv_metadata)
+    keys = []
+    for seed in range(4):
+        obj, key = make_chunk(m, seed)
+        m.put(key, obj)
+        keys.append(key)
+    m.cpu.remove(keys[2])
+    misses = m.cpu.stats().misses
+    held: list = []
+    assert m.locate_prefix(keys, held) == Located(2)
+    assert [k for k, _ in held] == keys[:2] and all(obj.is_held for _, obj in held)
+    assert m.cpu.stats().misses == misses + 1
+    used = m.cpu.used_bytes
+    dropped, kept = held[0][1], held[1][1]
+    m.cpu.remove(keys[0])                      # dropped while held: not freed yet
+    assert m.cpu.used_bytes == used
+    other = m.get_in_memory(keys[1])           # a second reader of the kept one
+    m.release_all(held)
+    assert not dropped.is_held and m.cpu.used_bytes < used, "the dropped chunk freed at its last release"
+    assert kept.is_held, "still held by the second reader"
+    assert m.cpu.contains(keys[1]) and other is kept
+    m.release(keys[1], other)
+    assert not kept.is_held and m.cpu.num_held == 0
+
+
 @pytest.mark.slow
 def test_locate_holds_the_cpu_part_and_names_the_lower_tiers_reading_nothing(kv_metadata, make_chunk, managers,
                                                                                tmp_path, cache_server):
