@@ -364,12 +364,20 @@ class LMCacheEngine:
         starts: list[int] = []
         ends: list[int] = []
         held: list[tuple[list[CacheEngineKey], list[MemoryObj]]] = []
+        in_memory: list[Hold] = []  # the CPU tier's prefix, held at once; each moves into `held` in turn
+        taken = 0
         mover = None
         try:
-            for start, end, key in self._chunks(tokens, mask, scope):
+            chunks = list(self._chunks(tokens, mask, scope))
+            if steps == 1:  # one lock for the prefix (128 chunks at 32K tokens: a lock each was ~0.5 ms)
+                self.storage_manager.hold_prefix_in_memory([key for _, _, key in chunks], in_memory)
+            for start, end, key in chunks:
                 keys = self._object_keys(key)
                 objs: list[MemoryObj] = []
                 held.append((keys, objs))  # released by the finally below, loaded or not
+                if taken < len(in_memory) and in_memory[taken][0] == keys[0]:
+                    objs.append(in_memory[taken][1])
+                    taken += 1
                 while len(objs) < steps and (obj := self.storage_manager.get(keys[len(objs)])) is not None:
                     objs.append(obj)
                 if len(objs) < steps:
@@ -395,9 +403,8 @@ class LMCacheEngine:
             if mover is not None:
                 mover.close()
             _sync(target.kvcaches)
-            for keys, objs in held:
-                for k, obj in zip(keys, objs):
-                    self.storage_manager.release(k, obj)
+            self.storage_manager.release_all([*(hold for keys, objs in held for hold in zip(keys, objs)),
+                                              *in_memory[taken:]])
         hit = int(ret_mask.sum())
         seconds = time.perf_counter() - t0
         if hit:  # what a copy out of the CPU tier costs, for the next decision

@@ -286,25 +286,35 @@ class StorageManager:
         hold_into.append((key, obj))
         return True
 
+    def hold_prefix_in_memory(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold]) -> int:
+        """`get_in_memory` of each of `keys` in turn until the first one missing, each object held
+        and appended to `hold_into` (the caller releases them); how many. The CPU tier alone (no
+        chunk staged) answers under its one lock."""
+        if not self._staged:
+            return self.cpu.hold_prefix(keys, hold_into)
+        n = 0
+        for key in keys:
+            obj = self.get_in_memory(key)
+            if obj is None:
+                break
+            hold_into.append((key, obj))
+            n += 1
+        return n
+
     # ---- loads in two steps: where the chunks are, then (as much as is worth it) read them ----------
     def locate_prefix(self, keys: Sequence[CacheEngineKey], hold_into: list[Hold] | None) -> Located:
         """Where the longest kept prefix of `keys` is, reading nothing from a lower tier: the CPU
         tier's part is held at once (appended to `hold_into`; None: a lookup that reserves nothing,
         counted under one lock), each lower tier is asked once what it keeps of the rest (a round
         trip). The first key no tier keeps has its miss reason noted."""
-        held = 0
-        if not self._staged:  # the CPU tier alone: under its one lock
-            held = self.cpu.count_prefix(keys) if hold_into is None else self.cpu.hold_prefix(keys, hold_into)
+        if hold_into is None and not self._staged:
+            held = self.cpu.count_prefix(keys)
+        elif hold_into is None:
+            counted: list[Hold] = []
+            held = self.hold_prefix_in_memory(keys, counted)
+            self.release_all(counted)
         else:
-            for key in keys:
-                obj = self.get_in_memory(key)
-                if obj is None:
-                    break
-                if hold_into is None:
-                    self.release(key, obj)
-                else:
-                    hold_into.append((key, obj))
-                held += 1
+            held = self.hold_prefix_in_memory(keys, hold_into)
         located = Located(held)
         rest = keys[held:]
         if not rest or not self.tiers:

@@ -9,6 +9,7 @@ from lmcache_triton import (
     LMCacheEngineMetadata,
     create_gpu_connector,
 )
+from lmcache_triton.engine.engine import _scope
 # The oracle is the torch reference; the engine moves bytes with the Triton kernels (interpreter on CPU).
 from lmcache_triton.kernels import paged_gather_ref as paged_gather
 from lmcache_triton.tools.testing import make_kv_caches, random_slot_mapping
@@ -127,6 +128,30 @@ def test_mask_skips_prefix_on_store_and_retrieve():
     assert not ret[:CHUNK].any() and ret[CHUNK:].all()
     assert torch.equal(paged_gather(dst, slots[CHUNK:], "vllm_cpu"), paged_gather(src, slots[CHUNK:], "vllm_cpu"))
     assert torch.all(paged_gather(dst, slots[:CHUNK], "vllm_cpu") == 0)
+
+
+def test_a_load_stops_at_the_first_missing_chunk_and_releases_every_hold():
+    """The CPU tier's prefix is held at once for the load: a chunk evicted in the middle ends it
+    (prefix mode), the chunks before it land bit for bit, those after it stay untouched, and every
+    hold the load took is released (a hold another reader has stays)."""
+    engine, caches = _setup()
+    src = caches(g=torch.Generator().manual_seed(0))
+    tokens = torch.arange(4 * CHUNK)
+    slots = _slots(len(tokens), 1)
+    engine.store(tokens, kvcaches=src, slot_mapping=slots)
+    sm = engine.storage_manager
+    keys = [key for _, _, key in engine._chunks(tokens, None, _scope({}))]
+    sm.cpu.remove(keys[2])
+    reader = sm.get_in_memory(keys[0])
+    dst = caches(fill=0)
+    ret = engine.retrieve(tokens, kvcaches=dst, slot_mapping=slots)
+    assert ret[:2 * CHUNK].all() and not ret[2 * CHUNK:].any()
+    assert torch.equal(paged_gather(dst, slots[:2 * CHUNK], "vllm_cpu"),
+                       paged_gather(src, slots[:2 * CHUNK], "vllm_cpu"))
+    assert torch.all(paged_gather(dst, slots[2 * CHUNK:], "vllm_cpu") == 0)
+    assert sm.cpu.num_held == 1 and reader.is_held, "only the other reader's hold is left"
+    sm.release(keys[0], reader)
+    assert sm.cpu.num_held == 0
 
 
 def test_offset_slot_mapping_covers_only_the_new_tokens():
