@@ -131,7 +131,10 @@ def _id_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
             if ids.dtype.kind == "u" and ids.dtype.itemsize == 8 and ids.size and int(ids.max()) > _INT64_MAX:
                 raise ValueError(f"token id {int(ids.max())} does not fit in int64")
         try:
-            ids = np.asarray(ids, dtype=np.int64)
+            if isinstance(ids, np.ndarray):
+                ids = np.asarray(ids, dtype=np.int64)
+            else:  # Python ints (vLLM's prompt_token_ids): fromiter took 226 us for 8K, asarray 396
+                ids = np.fromiter(ids, dtype=np.int64, count=len(ids))
         except (OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"token ids must be integers that fit in int64: {e}") from None
     if _BIG_ENDIAN:

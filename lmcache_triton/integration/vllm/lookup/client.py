@@ -6,6 +6,8 @@ import itertools
 import logging
 import math
 import time
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import zmq
@@ -21,6 +23,7 @@ class _Pending:
     seq: int
     deadline: float
     answers: dict[int, int] = field(default_factory=dict)
+    in_process: dict[int, Future] = field(default_factory=dict)  # rank -> its reply frames, later
 
 
 class LookupClient:
@@ -65,8 +68,12 @@ class LookupClient:
             pending = _Pending(next(self._seq), time.monotonic() + self.timeout_s)
             frames = protocol.encode_request(pending.seq, lookup_id, tokens, namespace, adapter, mm_spans,
                                              deadline=time.time() + self.timeout_s, chunk_hashes=chunk_hashes)
-            for sock in self._socks:
-                sock.send_multipart(frames, copy=False)
+            for rank, (sock, address) in enumerate(zip(self._socks, self.addresses)):
+                submit = protocol.in_process(address)
+                if submit is None:
+                    sock.send_multipart(frames, copy=False)
+                else:  # the worker's server lives in this process: straight to its pool
+                    pending.in_process[rank] = submit(frames)
             self._pending[lookup_id] = pending
         self._collect(wait=not self.asynchronous)
         if len(pending.answers) == len(self._socks):
@@ -86,6 +93,9 @@ class LookupClient:
 
     def _collect(self, wait: bool) -> None:
         """Reads every answer available; with `wait`, until all pending answers or the deadline."""
+        for p in self._pending.values():
+            if p.in_process:
+                self._collect_in_process(p, wait)
         by_seq = {p.seq: p for p in self._pending.values()}
         poller = zmq.Poller()
         for sock in self._socks:
@@ -107,6 +117,22 @@ class LookupClient:
                     seq, hit = protocol.decode_reply(sock.recv_multipart())
                     if seq in by_seq:
                         by_seq[seq].answers[rank] = hit
+
+    @staticmethod
+    def _collect_in_process(p: _Pending, wait: bool) -> None:
+        if wait:
+            futures.wait(p.in_process.values(), timeout=max(0.0, p.deadline - time.monotonic()))
+        for rank, future in list(p.in_process.items()):
+            if not future.done():
+                continue
+            del p.in_process[rank]
+            try:
+                seq, hit = protocol.decode_reply(future.result())
+            except Exception:  # the server's pool is gone (closed) or the answer is bad: a miss
+                logger.exception("lmcache_triton in-process lookup failed; answering 0")
+                seq, hit = p.seq, 0
+            if seq == p.seq:
+                p.answers[rank] = hit
 
     def clear_lookup_status(self, lookup_id: str) -> None:
         self._results.pop(lookup_id, None)

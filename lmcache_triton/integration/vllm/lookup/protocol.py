@@ -17,6 +17,9 @@ and rank, so two vLLM instances on one host never answer each other.
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +33,31 @@ HASH_BYTES = 16
 
 def socket_path(engine_id: str, rank: int) -> str:
     return ipc_path("lookup", engine_id, rank)
+
+
+# The lookup servers of this process, by address: vLLM's engine core runs the scheduler and a
+# single worker (UniProcExecutor) in one process, and there the client hands the encoded request
+# to the server's pool (`submit`: the reply frames, later) instead of through the socket.
+Submit = Callable[[list[bytes]], "Future[list[bytes]]"]
+_in_process: dict[str, Submit] = {}
+_in_process_lock = threading.Lock()
+
+
+def serve_in_process(address: str, submit: Submit) -> None:
+    with _in_process_lock:
+        _in_process[address] = submit
+
+
+def stop_serving_in_process(address: str, submit: Submit) -> None:
+    with _in_process_lock:
+        if _in_process.get(address) == submit:
+            del _in_process[address]
+
+
+def in_process(address: str) -> Submit | None:
+    """How to submit to the server bound to `address` in this process; None: none is."""
+    with _in_process_lock:
+        return _in_process.get(address)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Lookups over real zmq IPC sockets: LookupClient (scheduler) -> LMCacheLookupServer (workers) -> engines."""
 
+import threading
 import time
 import uuid
 
@@ -142,10 +143,15 @@ def test_async_client_polls_and_caches_per_lookup_id(closing):
     assert hit == 0, "asked again after clear_lookup_status"
 
 
-def test_async_server_replies_without_waiting_for_a_poll(closing):
-    """A finished lookup wakes the server's thread: the round trip is not a multiple of its poll."""
+@pytest.mark.parametrize("through", ["socket", "in_process"])
+def test_async_server_replies_without_waiting_for_a_poll(closing, through):
+    """A finished lookup wakes the server's thread: the round trip is not a multiple of its poll.
+    (In one process the client submits to the server's pool: no socket, no serving thread.)"""
     eid = _engine_id()
-    _server(closing, LMCacheAsyncLookupServer, _engine(closing, [PROMPT]), eid)
+    server = _server(closing, LMCacheAsyncLookupServer, _engine(closing, [PROMPT]), eid)
+    if through == "socket":
+        protocol.stop_serving_in_process(server.address, server.submit)
+    assert (protocol.in_process(server.address) is not None) == (through == "in_process")
     client = _client(closing, eid)
     assert client.lookup(PROMPT.tolist(), "warm") == 3 * CHUNK
     times = []
@@ -154,6 +160,47 @@ def test_async_server_replies_without_waiting_for_a_poll(closing):
         assert client.lookup(PROMPT.tolist(), f"r{i}") == 3 * CHUNK
         times.append(time.perf_counter() - t0)
     assert sorted(times)[10] < 0.05, "a reply waited for the serving thread's poll timeout"
+
+
+def test_in_process_lookups_need_no_socket_and_a_closed_server_is_a_quick_miss(closing):
+    """vLLM's engine core runs the scheduler and its one worker in one process: the client hands the
+    request to the server's pool. With the serving thread stopped (no socket answers) it still
+    hits, sync and async; once the server is closed the client asks the socket: a miss at the timeout."""
+    eid = _engine_id()
+    server = _server(closing, LMCacheAsyncLookupServer, _engine(closing, [PROMPT]), eid)
+    server._stop.set()
+    server._thread.join(timeout=2)
+    assert not server._thread.is_alive()
+    assert _client(closing, eid).lookup(PROMPT.tolist(), "sync") == 3 * CHUNK
+    client = _client(closing, eid, asynchronous=True)
+    hit, deadline = client.lookup(PROMPT.tolist(), "async"), time.monotonic() + TIMEOUT_MS / 1000
+    while hit is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+        hit = client.lookup(PROMPT.tolist(), "async")
+    assert hit == 3 * CHUNK
+    server.close()
+    assert protocol.in_process(server.address) is None
+    hit, t = _timed(lambda: _client(closing, eid).lookup(PROMPT.tolist(), "closed"))
+    assert hit == 0 and t < TIMEOUT_MS / 1000 + 0.5
+
+
+def test_a_hung_in_process_lookup_is_a_miss_at_the_timeout(closing):
+    """A lookup stuck in the worker (a remote that does not answer) costs the scheduler its
+    timeout, never more, in one process as across processes."""
+    release = threading.Event()
+
+    class HungEngine:
+        def lookup(self, tokens, reserve=False, **kw):
+            release.wait(10)
+            return 3 * CHUNK
+
+    eid = _engine_id()
+    _server(closing, LMCacheAsyncLookupServer, HungEngine(), eid)
+    try:
+        hit, t = _timed(lambda: _client(closing, eid).lookup(PROMPT.tolist(), "hung"))
+        assert hit == 0 and TIMEOUT_MS / 1000 - 0.05 <= t < TIMEOUT_MS / 1000 + 0.5
+    finally:
+        release.set()
 
 
 def test_sync_client_caches_per_lookup_id(closing):
