@@ -68,6 +68,8 @@ COMMANDS = {
                        own_plot=True),
     "ttft": Command(("bench.ttft",), "vLLM time to first token: cold without/with the connector (interleaved), "
                                      "warm vs its floor", own_plot=True),
+    "warm-path": Command(("bench.warm_path",), "a warm request's time inside vLLM, call by call of the connector, "
+                         "against a plain copy of its KV"),
     "gpu-check": Command(("bench.gpu_check",), "the first run on a GPU host: every GPU target's verdict, "
                          "CPU-possible sections here"),
     "pd": Command(("bench.pd",), "prefill/decode disaggregation (prefiller + decoder + proxy) vs one instance: "
