@@ -62,6 +62,16 @@ def _on_disk_only(m: StorageManager, make_chunk, seeds: Sequence[int]) -> tuple[
     return keys, expected
 
 
+def _in_cpu_tier(m: StorageManager, make_chunk, n: int) -> list[CacheEngineKey]:
+    """Puts chunks of seeds 0..n-1: their keys."""
+    keys = []
+    for seed in range(n):
+        obj, key = make_chunk(m, seed)
+        m.put(key, obj)
+        keys.append(key)
+    return keys
+
+
 def _release(m: StorageManager, holds) -> None:
     for key, obj in holds:
         m.release(key, obj)
@@ -79,11 +89,7 @@ def test_locate_holds_the_cpu_prefix_at_once_and_release_all_frees_only_what_no_
     held goes back to the pool at its last release, one the tier keeps stays, one still held by
     another reader stays too."""
     m = managers(kv_metadata)
-    keys = []
-    for seed in range(4):
-        obj, key = make_chunk(m, seed)
-        m.put(key, obj)
-        keys.append(key)
+    keys = _in_cpu_tier(m, make_chunk, 4)
     m.cpu.remove(keys[2])
     misses = m.cpu.stats().misses
     held: list = []
@@ -150,11 +156,7 @@ def test_locate_holds_the_cpu_part_and_names_the_lower_tiers_reading_nothing(kv_
 
 def test_locate_without_lower_tiers_and_with_everything_in_the_cpu_tier(kv_metadata, make_chunk, managers):
     m = managers(kv_metadata)
-    keys = []
-    for seed in range(3):
-        obj, key = make_chunk(m, seed)
-        m.put(key, obj)
-        keys.append(key)
+    keys = _in_cpu_tier(m, make_chunk, 3)
     held: list = []
     assert m.locate_prefix(keys, held) == Located(3)
     other = CacheEngineKey("test/model", 1, 0, "bfloat16", "KV_2LTD", "f" * 32)
