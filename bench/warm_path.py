@@ -2,7 +2,7 @@
 
     python -m bench.warm_path [--tokens 8192] [--requests 8] [--dtype float32] [--model PATH]
 
-vLLM with the connector (CPU tier), its engine core in this process
+vLLM with the connector (a CPU tier of 4x the prompt's KV), its engine core in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0: the scheduler, the worker and the lookup server share it, as
 they do inside vLLM's engine-core process). A prompt is computed and saved once, then sent again
 `--requests` times (each loads all but its last token); every call vLLM makes into the connector
@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     calls: dict[str, list[float]] = collections.defaultdict(list)
     _time_calls(LMCacheTritonConnectorV1, CALLS, calls)
     model = args.model or str(build_random_llama(CACHE_DIR / "models" / "ttft-llama-40k", BENCH_SPEC))  # bench ttft's
-    llm = start_llm(model, connector={"lmcache.max_local_cpu_size": 2.0}, max_model_len=args.tokens + 64,
+    # a CPU tier of a few times the prompt's KV: a larger one only commits pages beside the
+    # requests (and beside whatever else the host runs)
+    tier_gb = max(0.1, round(4 * args.tokens * kv_bytes_per_token(model, args.dtype) / 1e9, 1))
+    llm = start_llm(model, connector={"lmcache.max_local_cpu_size": tier_gb}, max_model_len=args.tokens + 64,
                     dtype=args.dtype)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
