@@ -73,7 +73,7 @@ class LookupClient:
                 if submit is None:
                     sock.send_multipart(frames, copy=False)
                 else:  # the worker's server lives in this process: straight to its pool
-                    pending.in_process[rank] = submit(frames)
+                    pending.in_process[rank] = submit(frames, not self.asynchronous)
             self._pending[lookup_id] = pending
         self._collect(wait=not self.asynchronous)
         if len(pending.answers) == len(self._socks):

@@ -37,8 +37,9 @@ def socket_path(engine_id: str, rank: int) -> str:
 
 # The lookup servers of this process, by address: vLLM's engine core runs the scheduler and a
 # single worker (UniProcExecutor) in one process, and there the client hands the encoded request
-# to the server's pool (`submit`: the reply frames, later) instead of through the socket.
-Submit = Callable[[list[bytes]], "Future[list[bytes]]"]
+# to the server (`submit(frames, caller_waits)`: the reply frames, later) instead of through the
+# socket. `caller_waits`: the client waits for the answer anyway (a synchronous lookup).
+Submit = Callable[[list[bytes], bool], "Future[list[bytes]]"]
 _in_process: dict[str, Submit] = {}
 _in_process_lock = threading.Lock()
 

@@ -184,6 +184,40 @@ def test_in_process_lookups_need_no_socket_and_a_closed_server_is_a_quick_miss(c
     assert hit == 0 and t < TIMEOUT_MS / 1000 + 0.5
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_memory_only_lookup_runs_in_the_waiting_clients_thread(closing, tmp_path, asynchronous):
+    """In one process, a synchronous client's lookup of an engine with the CPU tier alone is
+    answered in the client's own thread (no hand-off to wait for); an asynchronous client's, and
+    any lookup of an engine with a lower tier (which may wait on a disk or a network), in the pool."""
+    eid = _engine_id()
+    engine = _engine(closing, [PROMPT])
+    threads = []
+    lookup = engine.lookup
+    engine.lookup = lambda *a, **kw: threads.append(threading.get_ident()) or lookup(*a, **kw)
+    _server(closing, LMCacheAsyncLookupServer, engine, eid)
+    client = _client(closing, eid, asynchronous=asynchronous)
+    hit, deadline = client.lookup(PROMPT.tolist(), "a"), time.monotonic() + TIMEOUT_MS / 1000
+    while hit is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+        hit = client.lookup(PROMPT.tolist(), "a")
+    assert hit == 3 * CHUNK
+    assert (threads == [threading.get_ident()]) == (not asynchronous), threads
+
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01,
+                                               local_disk=str(tmp_path), max_local_disk_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
+    disk = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
+    closing.append(disk)
+    threads.clear()
+    lookup_disk = disk.lookup
+    disk.lookup = lambda *a, **kw: threads.append(threading.get_ident()) or lookup_disk(*a, **kw)
+    eid = _engine_id()
+    _server(closing, LMCacheAsyncLookupServer, disk, eid)
+    assert _client(closing, eid).lookup(PROMPT.tolist(), "b") == 0
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
+
+
 def test_a_hung_in_process_lookup_is_a_miss_at_the_timeout(closing):
     """A lookup stuck in the worker (a remote that does not answer) costs the scheduler its
     timeout, never more, in one process as across processes."""
