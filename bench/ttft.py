@@ -72,6 +72,10 @@ SAMPLES = 5
 # spinning for a while after its step, and took the cores from the next engine's first request
 # (a 2K-token vLLM hit measured 278 ms right after a load on the other engine, 22 ms alone).
 SWITCH_GAP_S = 0.5
+# After the engines are ready, before the first request: the connector's CPU tier commits its
+# pages in the background at start (2 GB at ~2 GB/s here), and beside it a 12 MiB copy in this
+# process took 8 ms instead of 0.7.
+SETTLE_S = 3.0
 
 
 def _model_config(model: str) -> dict:
@@ -215,7 +219,7 @@ def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -
                 hit = ask("with", n, i, plain=True, one_more=True)
                 pairs.append((loaded, hit))
             # the copy again after the pairs, the lower of the two: a copy beside the engines'
-            # background work (a new CPU tier committing its pages) took 3-5x as long here
+            # background work took 3-10x as long here
             copy = min(copy, _copy_ms(n * kv_bytes_per_token(model, args.dtype)))
             for loaded, hit in pairs:
                 floor = copy + hit["ms"]
@@ -263,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for e in engines.values():  # started together, ready one by one
             e.ready()
+        time.sleep(SETTLE_S)
         rows = measure(engines, args, model)
     finally:
         for e in engines.values():
