@@ -172,16 +172,39 @@ def test_in_process_lookups_need_no_socket_and_a_closed_server_is_a_quick_miss(c
     server._thread.join(timeout=2)
     assert not server._thread.is_alive()
     assert _client(closing, eid).lookup(PROMPT.tolist(), "sync") == 3 * CHUNK
-    client = _client(closing, eid, asynchronous=True)
-    hit, deadline = client.lookup(PROMPT.tolist(), "async"), time.monotonic() + TIMEOUT_MS / 1000
-    while hit is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-        hit = client.lookup(PROMPT.tolist(), "async")
-    assert hit == 3 * CHUNK
+    assert _answer(_client(closing, eid, asynchronous=True), "async") == 3 * CHUNK
     server.close()
     assert protocol.in_process(server.address) is None
     hit, t = _timed(lambda: _client(closing, eid).lookup(PROMPT.tolist(), "closed"))
     assert hit == 0 and t < TIMEOUT_MS / 1000 + 0.5
+
+
+def _answer(client: LookupClient, lookup_id: str) -> int | None:
+    """The client's answer, asked again until there is one (an asynchronous client) or the timeout."""
+    hit, deadline = client.lookup(PROMPT.tolist(), lookup_id), time.monotonic() + TIMEOUT_MS / 1000
+    while hit is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+        hit = client.lookup(PROMPT.tolist(), lookup_id)
+    return hit
+
+
+def _disk_engine(closing, tmp_path) -> LMCacheEngine:
+    """An engine with a CPU tier and a local disk tier, nothing stored."""
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01,
+                                               local_disk=str(tmp_path), max_local_disk_size=0.01)
+    metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
+                                     kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
+    engine = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
+    closing.append(engine)
+    return engine
+
+
+def _lookup_threads(engine: LMCacheEngine) -> list[int]:
+    """The threads that run the engine's lookups, in order, from now on."""
+    threads: list[int] = []
+    lookup = engine.lookup
+    engine.lookup = lambda *a, **kw: threads.append(threading.get_ident()) or lookup(*a, **kw)
+    return threads
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -191,30 +214,16 @@ def test_a_memory_only_lookup_runs_in_the_waiting_clients_thread(closing, tmp_pa
     any lookup of an engine with a lower tier (which may wait on a disk or a network), in the pool."""
     eid = _engine_id()
     engine = _engine(closing, [PROMPT])
-    threads = []
-    lookup = engine.lookup
-    engine.lookup = lambda *a, **kw: threads.append(threading.get_ident()) or lookup(*a, **kw)
+    threads = _lookup_threads(engine)
     _server(closing, LMCacheAsyncLookupServer, engine, eid)
-    client = _client(closing, eid, asynchronous=asynchronous)
-    hit, deadline = client.lookup(PROMPT.tolist(), "a"), time.monotonic() + TIMEOUT_MS / 1000
-    while hit is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-        hit = client.lookup(PROMPT.tolist(), "a")
-    assert hit == 3 * CHUNK
+    assert _answer(_client(closing, eid, asynchronous=asynchronous), "a") == 3 * CHUNK
     assert (threads == [threading.get_ident()]) == (not asynchronous), threads
 
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01,
-                                               local_disk=str(tmp_path), max_local_disk_size=0.01)
-    metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
-                                     kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
-    disk = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
-    closing.append(disk)
-    threads.clear()
-    lookup_disk = disk.lookup
-    disk.lookup = lambda *a, **kw: threads.append(threading.get_ident()) or lookup_disk(*a, **kw)
     eid = _engine_id()
+    disk = _disk_engine(closing, tmp_path)
+    threads = _lookup_threads(disk)
     _server(closing, LMCacheAsyncLookupServer, disk, eid)
-    assert _client(closing, eid).lookup(PROMPT.tolist(), "b") == 0
+    assert _answer(_client(closing, eid, asynchronous=asynchronous), "b") == 0
     assert len(threads) == 1 and threads[0] != threading.get_ident()
 
 
@@ -302,12 +311,7 @@ def test_a_slow_tier_is_cut_at_the_schedulers_deadline_and_the_prefix_that_arriv
 
     from lmcache_triton.keys import KeyScope
 
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_local_cpu_size=0.01,
-                                               local_disk=str(tmp_path), max_local_disk_size=0.01)
-    metadata = LMCacheEngineMetadata(model_name="test/model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16,
-                                     kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD))
-    engine = LMCacheEngine(config, metadata, create_gpu_connector(config, metadata, "vllm_cpu"))
-    closing.append(engine)
+    engine = _disk_engine(closing, tmp_path)
     caches = make_kv_caches("vllm_cpu", num_layers=LAYERS, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=HEADS,
                             head_size=HEAD, generator=torch.Generator().manual_seed(0))
     slots = random_slot_mapping(len(PROMPT), num_blocks=BLOCKS, block_size=BLOCK,
