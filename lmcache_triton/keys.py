@@ -27,6 +27,7 @@ A chunk's hash is taken in two steps (key scheme `lmct5`):
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,13 @@ def _id_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
             ids = tokens[start:end]  # lists, tuples, arrays and vLLM's ConstantList slice without a copy of the rest
         except TypeError:  # an iterable that does not slice
             ids = list(tokens)[start:end]
+        if isinstance(ids, (list, tuple)):
+            # Python ints (vLLM's prompt_token_ids): struct packs 8K of them in ~150 us here,
+            # np.fromiter took ~450, np.asarray ~550; it refuses what is not an int64 as fromiter does
+            try:
+                return np.frombuffer(struct.pack(f"<{len(ids)}q", *ids), dtype="<i8")
+            except struct.error as e:
+                raise ValueError(f"token ids must be integers that fit in int64: {e}") from None
         if isinstance(ids, np.ndarray) and ids.dtype != np.int64:
             if ids.dtype.kind not in "iu":
                 raise ValueError(f"token ids must be integers, got a {ids.dtype} array")
@@ -133,7 +141,7 @@ def _id_array(tokens: torch.Tensor | np.ndarray | Sequence[int], start: int = 0,
         try:
             if isinstance(ids, np.ndarray):
                 ids = np.asarray(ids, dtype=np.int64)
-            else:  # Python ints (vLLM's prompt_token_ids): fromiter took 226 us for 8K, asarray 396
+            else:
                 ids = np.fromiter(ids, dtype=np.int64, count=len(ids))
         except (OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"token ids must be integers that fit in int64: {e}") from None

@@ -114,6 +114,16 @@ def _prefetch(typingctx, address):
 
 
 @intrinsic
+def _claim(typingctx, address):
+    """The int64 at `address` before adding 1 to it, atomically: the threads of one copy take its
+    items from one counter, so a thread that starts late (woken from idle) or is paused takes
+    fewer, and nobody waits at the end for a fixed share (x86: lock xadd)."""
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", _pointer(builder, args[0], _I64), ir.Constant(_I64, 1), "monotonic")
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
 def _fence(typingctx):
     """Orders the non-temporal stores before whatever the thread does next (x86: mfence)."""
     def codegen(context, builder, signature, args):
@@ -352,8 +362,9 @@ def _scatter_transposed(at_cache, at_chunk, n, heads, head_size, w, so, sh, sd, 
 
 
 @numba.njit(nogil=True, cache=True)
-def _copy(gather, w, heads, head_size, block_size, kv_together, cache_addr, cache_strides, chunks, units, lo, hi):
-    """Items lo..hi-1 of units x layers: item i is unit i // L of layer i % L. cache_addr [L, KV]
+def _copy(gather, w, heads, head_size, block_size, kv_together, cache_addr, cache_strides, chunks, units, claims):
+    """Items of units x layers, each taken from the counter `claims[0]` (shared by the copy's
+    threads) until all are: item i is unit i // L of layer i % L. cache_addr [L, KV]
     and cache_strides [KV, 4] (block, offset, head, dim); chunks [C, 4] (address, K-or-V, layer,
     token strides); all in bytes. Runs are copied in the order of the source's bytes (reads then
     stream; non-temporal writes do not mind their order), K with V where they share each
@@ -363,7 +374,12 @@ def _copy(gather, w, heads, head_size, block_size, kv_together, cache_addr, cach
     row = heads * head_bytes
     stage = np.empty(max(32 // w * row, head_size * block_size * w), np.uint8)
     at_stage = stage.ctypes.data
-    for item in range(lo, hi):
+    items = units.shape[0] * num_layers
+    at_claims = claims.ctypes.data
+    while True:
+        item = _claim(at_claims)
+        if item >= items:
+            break
         u = item // num_layers
         layer = item - u * num_layers
         c, t0, block, o0, n = units[u, 0], units[u, 1], units[u, 2], units[u, 3], units[u, 4]
@@ -519,14 +535,16 @@ def move(gather: bool, layers: Layers, slots: torch.Tensor, chunks4: Sequence[to
     args = (gather, w, g.num_kv_heads, g.head_size, g.block_size, together, addresses, strides, table, units)
     nbytes = int(units[:, 4].sum()) * layers.num_layers * layers.num_kv * g.hidden * w
     threads = max(1, min(torch.get_num_threads(), items, nbytes // _MIN_BYTES_PER_THREAD))
+    claims = np.zeros(1, np.int64)
     if threads == 1:
-        _copy(*args, 0, items)
+        _copy(*args, claims)
         return
-    bounds = [items * i // threads for i in range(threads + 1)]
+    # The items are claimed one at a time, not split in fixed shares: in a request a pool thread
+    # woken from idle started up to ms late, and the caller then waited for its whole share.
     pool = _threads_pool(threads - 1)
-    shares = [pool.submit(_copy, *args, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    shares = [pool.submit(_copy, *args, claims) for _ in range(1, threads)]
     try:
-        _copy(*args, bounds[0], bounds[1])
+        _copy(*args, claims)
     finally:
         for share in shares:
             share.result()

