@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -136,8 +137,8 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
         if "copy_bytes" in ask:
             print("RESULT " + json.dumps({"copy_ms": _copy_ms(ask["copy_bytes"])}), flush=True)
             continue
-        if ask.get("reset") and not llm.reset_prefix_cache():
-            raise SystemExit("vLLM refused to reset its prefix cache")
+        if ask.get("reset"):
+            reset_prefix_cache(llm, lambda: run([0], 1, plain=True))
         prompt = _prompt(model, ask["tokens"], ask["seed"])
         if ask.get("one_more"):  # the same prompt and one token more
             prompt.append(prompt[0])
@@ -145,6 +146,18 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
         seconds, cached = run(prompt, ask.get("max_tokens", 1), ask.get("plain", False))
         calls_ms = {name: sum(times) * 1e3 for name, times in calls.items()}
         print("RESULT " + json.dumps({"s": seconds, "cached": cached, "calls_ms": calls_ms}), flush=True)
+
+
+def reset_prefix_cache(llm, step: Callable[[], object], tries: int = 20) -> None:
+    """Empties vLLM's prefix cache. vLLM refuses while a finished request's blocks are still held,
+    as the connector holds a request's blocks until its save is done; with the engine core in this
+    process only a step collects that news, so between tries a one-token request makes one."""
+    for _ in range(tries):
+        if llm.reset_prefix_cache():
+            return
+        time.sleep(0.05)
+        step()
+    raise SystemExit("vLLM refused to reset its prefix cache")
 
 
 class _Engine:

@@ -65,3 +65,19 @@ def test_warm_pairs_are_a_load_then_vllms_own_hit_on_the_same_engine(quick):
     cold = rows[1]["cold_pairs"]
     assert [p["first"] for p in cold] == ["without", "with"]
     assert cold[0]["ratio"] == pytest.approx(1000.0 / 990.0)
+
+
+def test_a_refused_reset_steps_the_engine_and_tries_again():
+    """vLLM refuses to empty its prefix cache while a finished request's blocks wait for their save;
+    with the engine core in the bench's process only a step hands them back."""
+    class Llm:
+        answers = [False, False, True]
+
+        def reset_prefix_cache(self):
+            return self.answers.pop(0)
+
+    steps = []
+    ttft.reset_prefix_cache(Llm(), lambda: steps.append(1))
+    assert len(steps) == 2
+    with pytest.raises(SystemExit, match="refused"):
+        ttft.reset_prefix_cache(type("Never", (), {"reset_prefix_cache": lambda self: False})(), lambda: None, tries=3)
