@@ -16,7 +16,8 @@ default.
 
 The prompt's slots are whole blocks in a random order (vLLM's mapping of a prompt), a new order for
 every store and every retrieve, as consecutive prompts get (`--one-block-order`: one order for
-all). The baseline is torch's copy of the same number of bytes between two dense buffers, timed
+all). The baseline is torch's copy of the same number of bytes between two dense buffers (on CUDA
+one on the device, one in pinned host memory, copied the op's way), timed
 right before and right after every store and every retrieve (this VM's bandwidth drifts by a third
 within minutes): each figure is the median over `--repeats` rounds of the op's speed as a fraction
 of the mean of the copies around it. The first store is reported apart because it faults in the CPU
@@ -98,8 +99,11 @@ def run_case(name: str, block_size: int, dtype: torch.dtype, separate: bool, arg
     store_slots = retrieve_slots = new_slots()
     # The baseline: a plain copy of the same bytes, timed beside each store and retrieve (this VM's
     # memory bandwidth drifts by a third within minutes; a baseline timed apart skews the ratio).
+    # On CUDA the tier is pinned host memory, so the copies are the DMA either way: device -> pinned
+    # beside a store, pinned -> device beside a retrieve.
     a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    b = torch.empty_like(a).fill_(0)
+    b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if device == "cuda" else torch.empty_like(a)
+    b.fill_(0)
     engine = LMCacheEngineBuilder.get_or_create("bench", config, metadata, create_gpu_connector(config, metadata, layout))
     counts = dict(reference.path_counts)
     try:
@@ -113,11 +117,12 @@ def run_case(name: str, block_size: int, dtype: torch.dtype, separate: bool, arg
             stores.append(_timed(lambda: engine.store(tokens, kvcaches=src, slot_mapping=store_slots)))
             between = _timed(lambda: b.copy_(a))
             lookups.append(_timed(lambda: engine.lookup(tokens)))
+            back = _timed(lambda: a.copy_(b))
             retrieves.append(_timed(lambda: engine.retrieve(tokens, kvcaches=dst, slot_mapping=retrieve_slots)))
-            after = _timed(lambda: b.copy_(a))
-            copies += [before, between, after]
+            after = _timed(lambda: a.copy_(b))
+            copies += [before, between, back, after]
             store_ratios.append((before + between) / 2 / stores[-1])
-            retrieve_ratios.append((between + after) / 2 / retrieves[-1])
+            retrieve_ratios.append((back + after) / 2 / retrieves[-1])
         assert engine.lookup(tokens) == args.tokens
         correct = _sample_equal(src, store_slots, dst, retrieve_slots, layout, g)
     finally:
