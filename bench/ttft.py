@@ -17,7 +17,10 @@ Cold, at each of `--cold-tokens`: after a throwaway prompt of that length to eac
 engine's first requests at a new length ran up to 2x slower), `--pairs` fresh prompts, each sent
 to *without* and to *with*, which of the two goes first alternating pair by pair, so the machine's
 drift falls on both alike. The ratio with / without is reported per pair: its median and its
-spread (lowest, highest) tell a cost of the connector from noise.
+spread (lowest, highest). Beside it, the connector's own time in each cold request ("own", as a
+share of vLLM alone): its calls on vLLM's path plus the part of its saves (the saver's thread, on
+the cores vLLM computes on) that ran while the request did. A ratio far above 1 + that share is the
+host's noise, not the connector's cost.
 
 Warm, at each of `--tokens`: `--repeats` prompts that *with* computed before (the cold ones where
 there are; their KV is saved after the step, `SAVE_GAP_S` before the warm request), then
@@ -28,7 +31,8 @@ there are; their KV is saved after the step, `SAVE_GAP_S` before the warm reques
 - **its floor**: the prompt and one token more, the connector told to stay out
   (`lmcache.skip_load`, `lmcache.skip_save`): vLLM's own prefix cache holds the blocks the load just
   wrote, so vLLM computes one token through its whole request path, the KV already in place; plus
-  a plain torch copy of the prompt's KV bytes, timed in the engine's process right after the pair.
+  a plain torch copy of the prompt's KV bytes, timed in the engine's process right after the pair,
+  from memory as the load's bytes are (the caches flushed before each timed copy).
 
 Each pair's ratio warm / floor is how far the load path is from what memory and vLLM allow, in
 one engine at one moment (separate engines' hits of one length differed 3x from one minute to the
@@ -54,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import context, median, median_seconds, write_json
+from bench.common import context, median, write_json
 from lmcache_triton.tools.models import TinyLlamaSpec, build_random_llama, random_prompt
 
 # The demo's shape with room for 32K-token prompts: a 32K cold prefill of the earlier ~100M model
@@ -113,9 +117,12 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
     from lmcache_triton.tools.vllm_demo import start_llm
 
     calls: dict[str, list[float]] = collections.defaultdict(list)
+    stores: list[list[float]] = []  # [start, end or None] of each engine store (the saver's thread)
     if which == "with":
+        from lmcache_triton.engine.engine import LMCacheEngine
         from lmcache_triton.integration.vllm.connector import LMCacheTritonConnectorV1
         _time_calls(LMCacheTritonConnectorV1, CALLS, calls)
+        _record_spans(LMCacheEngine, "store", stores)
     # 2 GB holds every prompt this bench stores (32K float32 tokens are 384 MiB) with room; more only
     # takes memory from the other engine on a small host
     connector = {"lmcache.max_local_cpu_size": 2.0} if which == "with" else None
@@ -143,9 +150,31 @@ def _engine(which: str, model: str, max_tokens_len: int, dtype: str) -> None:
         if ask.get("one_more"):  # the same prompt and one token more
             prompt.append(prompt[0])
         calls.clear()
+        t0 = time.perf_counter()
         seconds, cached = run(prompt, ask.get("max_tokens", 1), ask.get("plain", False))
         calls_ms = {name: sum(times) * 1e3 for name, times in calls.items()}
-        print("RESULT " + json.dumps({"s": seconds, "cached": cached, "calls_ms": calls_ms}), flush=True)
+        saves_ms = overlap_ms(stores, t0, t0 + seconds)
+        del stores[:-1]  # one may still run
+        print("RESULT " + json.dumps({"s": seconds, "cached": cached, "calls_ms": calls_ms, "saves_ms": saves_ms}),
+              flush=True)
+
+
+def _record_spans(cls: type, name: str, into: list[list[float]]) -> None:
+    original = getattr(cls, name)
+
+    def recorded(self, *args, **kwargs):
+        span = [time.perf_counter(), None]
+        into.append(span)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            span[1] = time.perf_counter()
+    setattr(cls, name, recorded)
+
+
+def overlap_ms(spans: list[list[float]], start: float, end: float) -> float:
+    """Milliseconds of [start, end] that the spans cover (one still running ends at `end`)."""
+    return sum(max(0.0, min(e if e is not None else end, end) - max(s, start)) for s, e in spans) * 1e3
 
 
 def reset_prefix_cache(llm, step: Callable[[], object], tries: int = 20) -> None:
@@ -186,7 +215,8 @@ class _Engine:
 
     def ttft(self, tokens: int, seed: int, max_tokens: int = 1, **flags: bool) -> dict:
         out = self._ask({"tokens": tokens, "seed": seed, "max_tokens": max_tokens, **flags})
-        return {"ms": out["s"] * 1e3, "cached": out["cached"], "calls_ms": out.get("calls_ms", {})}
+        return {"ms": out["s"] * 1e3, "cached": out["cached"], "calls_ms": out.get("calls_ms", {}),
+                "saves_ms": out.get("saves_ms", 0.0)}
 
     def copy_ms(self, nbytes: int) -> float:
         """A torch copy of `nbytes` in the engine's process (median of 5)."""
@@ -201,10 +231,24 @@ class _Engine:
                 self.proc.kill()
 
 
+# Written before each timed copy of the floor, to push its bytes out of the CPU's caches: the load
+# reads the CPU tier and writes vLLM's blocks, neither of them cached, while a 25 MB buffer copied
+# over and over stays in a large L3 (0.97 ms hot against 1.63 ms after this, on a 480 MiB-L3 Xeon).
+_EVICT_BYTES = 512 << 20
+
+
 def _copy_ms(nbytes: int, repeats: int = 5) -> float:
+    """A torch copy of `nbytes` from memory, not from the caches: the median of `repeats`."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return median_seconds(lambda: dst.copy_(src), repeats) * 1e3
+    dst = torch.zeros_like(src)  # its pages committed, as vLLM's blocks are
+    evict = torch.empty(_EVICT_BYTES, dtype=torch.uint8)
+    times = []
+    for i in range(repeats):
+        evict.fill_(i)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return median(times) * 1e3
 
 
 def _spread(values: list[float]) -> dict:
@@ -232,13 +276,20 @@ def measure(engines: dict[str, _Engine], args: argparse.Namespace, model: str) -
             pairs = []
             for i in seeds:   # a fresh prompt per pair, to both engines, the first of them alternating
                 order = ("without", "with") if i % 2 == 0 else ("with", "without")
-                got = {w: ask(w, n, i)["ms"] for w in order}
+                answers = {w: ask(w, n, i) for w in order}
+                got = {w: a["ms"] for w, a in answers.items()}
+                # The connector's own time in the request, apart from the host's noise: its calls
+                # on vLLM's path, and the saves (the saver's thread) that ran while it computed
+                cost = sum(answers["with"]["calls_ms"].values()) + answers["with"]["saves_ms"]
                 pairs.append({"without_ms": got["without"], "with_ms": got["with"], "first": order[0],
-                              "ratio": got["with"] / got["without"]})
+                              "ratio": got["with"] / got["without"], "connector_ms": cost,
+                              "connector_share": cost / got["without"]})
                 print(f"  {n} tokens, pair {i}: without {got['without']:.1f} ms, with {got['with']:.1f} ms "
-                      f"({got['with'] / got['without']:.3f}x; {order[0]} first)", flush=True)
+                      f"({got['with'] / got['without']:.3f}x; {order[0]} first; the connector's own "
+                      f"{cost:.1f} ms, {100 * cost / got['without']:.1f}%)", flush=True)
             row["cold_pairs"] = pairs
             row["cold_ratio"] = _spread([p["ratio"] for p in pairs])
+            row["cold_connector_share"] = _spread([p["connector_share"] for p in pairs])
             row["cold_without_ms"] = median([p["without_ms"] for p in pairs])
             row["cold_with_ms"] = median([p["with_ms"] for p in pairs])
         warm = []
@@ -309,12 +360,13 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for e in engines.values():
             e.close()
-    print(f"\n{'tokens':>7} {'cold w/o ms':>12} {'cold with ms':>13} {'with/w/o (min-max)':>20} {'warm ms':>9} "
+    print(f"\n{'tokens':>7} {'cold w/o ms':>12} {'cold with ms':>13} {'with/w/o (min-max)':>20} {'own':>6} {'warm ms':>9} "
           f"{'floor ms':>9} {'copy ms':>8} {'load ms':>8} {'hit ms':>8} {'warm/floor (min-max)':>21} {'loaded':>7}")
     for r in rows:
         cold = (f"{r['cold_without_ms']:12.1f} {r['cold_with_ms']:13.1f} {r['cold_ratio']['median']:7.3f}x "
-                f"({r['cold_ratio']['min']:.3f}-{r['cold_ratio']['max']:.3f})") if "cold_pairs" in r else \
-            f"{'-':>12} {'-':>13} {'-':>20}"
+                f"({r['cold_ratio']['min']:.3f}-{r['cold_ratio']['max']:.3f}) "
+                f"{100 * r['cold_connector_share']['median']:5.1f}%") if "cold_pairs" in r else \
+            f"{'-':>12} {'-':>13} {'-':>20} {'-':>6}"
         wf = r["warm_over_floor"]
         print(f"{r['tokens']:7d} {cold} {r['warm_ms']:9.1f} {r['floor_ms']:9.1f} {r['copy_ms']:8.1f} {r['load_ms']:8.1f} "
               f"{r['vllm_prefix_hit_ms']:8.1f} {wf['median']:8.2f}x ({wf['min']:.2f}-{wf['max']:.2f}) "

@@ -25,7 +25,9 @@ class StubEngine:
         if flags.get("plain"):
             assert flags.get("one_more")
             return {"ms": self.ms["hit"], "cached": tokens}  # the prompt, of its tokens + 1
-        return {"ms": self.ms["cold_" + self.which], "cached": 0}
+        if self.which == "with":
+            return {"ms": self.ms["cold_with"], "cached": 0, "calls_ms": {"wait_for_save": 2.0}, "saves_ms": 8.0}
+        return {"ms": self.ms["cold_without"], "cached": 0, "calls_ms": {}, "saves_ms": 0.0}
 
     def copy_ms(self, nbytes: int) -> float:
         self.asked.append((self.which, nbytes, "copy", {}))  # bytes: kv_bytes_per_token is 1 here
@@ -65,6 +67,15 @@ def test_warm_pairs_are_a_load_then_vllms_own_hit_on_the_same_engine(quick):
     cold = rows[1]["cold_pairs"]
     assert [p["first"] for p in cold] == ["without", "with"]
     assert cold[0]["ratio"] == pytest.approx(1000.0 / 990.0)
+    # the connector's own time: its calls and the saves that ran during the request, against vLLM alone
+    assert cold[0]["connector_ms"] == 10.0
+    assert rows[1]["cold_connector_share"]["median"] == pytest.approx(10.0 / 990.0)
+
+
+def test_saves_count_only_while_the_request_ran():
+    spans = [[0.0, 1.0], [1.5, 2.5], [3.0, None], [5.0, 6.0]]  # seconds; one still running
+    assert ttft.overlap_ms(spans, 2.0, 4.0) == pytest.approx(500.0 + 1000.0)
+    assert ttft.overlap_ms([], 0.0, 1.0) == 0.0
 
 
 def test_a_refused_reset_steps_the_engine_and_tries_again():
