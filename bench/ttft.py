@@ -396,6 +396,9 @@ def plot(result: dict, path: Path) -> Path:
         ratios = [p["ratio"] for p in r["cold_pairs"]]
         left.scatter([i] * len(ratios), ratios, color="tab:blue", alpha=0.6)
         left.hlines(r["cold_ratio"]["median"], i - 0.2, i + 0.2, color="tab:blue")
+        if "cold_connector_share" in r:  # where the ratio would sit if the connector's own time were all
+            left.hlines(1 + r["cold_connector_share"]["median"], i - 0.3, i + 0.3, color="tab:red",
+                        label="1 + the connector's own time" if i == 0 else None)
     left.axhline(1.0, color="gray", lw=0.8)
     left.axhspan(0.97, 1.03, color="gray", alpha=0.15, label="within 3%")
     left.set_xticks(range(len(cold)), [f"{r['tokens']}" for r in cold])
