@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def whole_blocks_only() -> bool:
+    """vLLM's CPU backend on an AMX CPU: the connector moves whole blocks only, saves no partial
+    chunk and refuses CacheBlend at start (integration/vllm/common.py: cpu_blocks_opaque)."""
+    import torch
+
+    return not torch.cuda.is_available() and bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     return str(build_random_llama(tmp_path_factory.mktemp("models") / "tiny-llama"))
 

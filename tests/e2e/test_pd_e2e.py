@@ -61,7 +61,7 @@ def _cached(usage) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_prefiller_decoder_and_proxy(tiny_model, free_port, tmp_path):
+def test_prefiller_decoder_and_proxy(tiny_model, free_port, tmp_path, whole_blocks_only):
     openai = pytest.importorskip("openai")
     pytest.importorskip("aiohttp")
     p_port, d_port, pd_port, proxy_port = free_port(), free_port(), free_port(), free_port()
@@ -106,7 +106,9 @@ def test_prefiller_decoder_and_proxy(tiny_model, free_port, tmp_path):
             out = ask(proxy, prompt)
             n = out.usage.prompt_tokens
             assert out.choices[0].text == single.choices[0].text and len(out.choices[0].text.split()) == 8
-            assert _cached(out.usage) == n - 1, "the decoder computed only the last prompt token"
+            # on an AMX CPU only whole chunks move (no partial chunk is saved or sent)
+            expected = (n - 1) // CHUNK * CHUNK if whole_blocks_only else n - 1
+            assert _cached(out.usage) == expected, "the decoder computed only what was not sent"
         streamed = "".join(c.choices[0].text for c in ask(proxy, doc, stream=True) if c.choices)
         assert streamed == ask(prefiller, doc).choices[0].text, "the proxy streams the decoder's answer"
 
