@@ -155,10 +155,16 @@ def tile(hidden: int, element_size: int = 2, direction: str = "gather", placemen
     if tuned is not None:
         return tuned.block_t, tuned.block_d, tuned.num_warps
     pow2_divisor = hidden & -hidden
-    if pow2_divisor >= 64:          # e.g. 576 -> 64, 4096 -> 1024: no masked-off columns
+    if hidden <= 1024:              # a row in one tile, padded: 576 -> 1024, 120 -> 128, 1024 -> 1024
+        # One program per row beats whole tiles of its power-of-two part: MLA's 576 ran at 0.98x
+        # (gather) / 0.95x (scatter) of a device copy in one padded tile of 1024, 0.85x / 0.84x in
+        # nine tiles of 64, 0.83x / 0.78x in two of 512 (H200, 2048 tokens x 61 layers on random
+        # blocks, `bench.gpu_check` layouts' MLA case with each tile set by `tuning.using`)
+        block_d = triton.next_power_of_2(hidden)
+    elif pow2_divisor >= 64:        # 4096 -> 1024, 1536 -> 512: no masked-off columns
         block_d = min(pow2_divisor, 1024)
-    else:                           # odd sizes (120, 72): one padded tile up to 1024 columns
-        block_d = min(triton.next_power_of_2(hidden), 1024)
+    else:                           # odd sizes above 1024: padded tiles of 1024 columns
+        block_d = 1024
     return max(1, _TILE_ELEMS // block_d), block_d, 4
 
 
