@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOKENS = 2048
 CHUNKS = TOKENS // 256
-PROMPTS = {name: random_prompt(TOKENS, seed=seed) for seed, name in enumerate(("slow", "fast", "slows_down"), 701)}
+PROMPTS = {name: random_prompt(TOKENS, seed=seed)
+           for seed, name in enumerate(("slow", "fast", "slows_down", "fast_again"), 701)}
 CHUNK_BYTES = 256 * DEMO_SPEC.num_hidden_layers * 2 * DEMO_SPEC.num_key_value_heads * DEMO_SPEC.head_dim * 4
 
 
@@ -107,28 +108,37 @@ def test_a_fast_remote_is_loaded_and_a_slowdown_mid_load_costs_the_deadline(
             done.touch()
 
         threading.Thread(target=slow_down_when_asked, daemon=True).start()
+        # Two fast prompts: before a first load the remote's estimate comes from its puts, which a
+        # busy moment of the host (the other test worker) can slow enough that the policy rightly
+        # recomputes 2048 tokens this host computes in 0.6 s; the second prompt is asked later.
         steps = [{"prompt": PROMPTS["fast"], "max_tokens": 4},
                  {"wait_remote_chunks": {"port": server.port, "min": CHUNKS, "timeout": 60}},
                  {"prompt": PROMPTS["fast"], "max_tokens": 4},
-                 {"prompt": PROMPTS["slows_down"], "max_tokens": 4},
+                 {"prompt": PROMPTS["fast_again"], "max_tokens": 4},
                  {"wait_remote_chunks": {"port": server.port, "min": 2 * CHUNKS, "timeout": 60}},
+                 {"prompt": PROMPTS["fast_again"], "max_tokens": 4},
+                 {"prompt": PROMPTS["slows_down"], "max_tokens": 4},
+                 {"wait_remote_chunks": {"port": server.port, "min": 3 * CHUNKS, "timeout": 60}},
                  {"touch": str(asked)}, {"wait_file": str(done), "timeout": 30},
                  {"prompt": PROMPTS["slows_down"], "max_tokens": 4},
                  {"scrape": f"http://127.0.0.1:{metrics}/metrics"}]
         result = run_vllm_in_process(tmp_path, _spec(demo_model, _connector(link.start(), metrics), steps))
-    fast_cold, _, fast_warm, slow_cold, _, _, waited, slowed, _ = result["steps"]
+    fast_cold, _, fast_warm, again_cold, _, again_warm, slow_cold, _, _, waited, slowed, _ = result["steps"]
     scrape = _scrape(result)
     seen = "\n".join(line for line in scrape.splitlines() if line.startswith(
         ("lmcache_triton_load", "lmcache_triton_tier", "lmcache_triton_prefill", "lmcache_triton_miss")))
     assert waited["found"]
     assert fast_cold["tokens"] == fast_warm["tokens"] == baseline["fast"]["tokens"]
-    assert fast_warm["cached"] >= TOKENS - 256, f"a prompt on an unthrottled remote was not loaded:\n{seen}"
+    assert again_cold["tokens"] == again_warm["tokens"] == baseline["fast_again"]["tokens"]
+    loaded = [w for w in (fast_warm, again_warm) if w["cached"] >= TOKENS - 256]
+    assert loaded, f"neither prompt on an unthrottled remote was loaded:\n{seen}"
+    assert all(w["cached"] in (0, TOKENS - 1) for w in (fast_warm, again_warm)), "whole prompts or none"
     assert slow_cold["tokens"] == slowed["tokens"] == baseline["slows_down"]["tokens"]
     # the first two chunks came at loopback speed, then the deadline cut the load short
     assert 0 < slowed["cached"] < TOKENS - 256, f"{slowed['cached']} tokens loaded:\n{seen}"
     assert _metric(scrape, "lmcache_triton_load_deadline_stops_total") == 1
     assert _metric(scrape, "lmcache_triton_tier_deadline_misses_total") == 1
-    assert _metric(scrape, "lmcache_triton_load_decision_total", decision="load") == 2
+    assert _metric(scrape, "lmcache_triton_load_decision_total", decision="load") == len(loaded) + 1
     assert _metric(scrape, "lmcache_triton_miss_tokens_total", reason="load_deadline") > 0
     print(f"unthrottled: warm {fast_warm['seconds']:.2f} s, vLLM alone {baseline['fast']['seconds']:.2f} s; "
           f"slowed mid-load: {slowed['seconds']:.2f} s, {slowed['cached']} tokens loaded, "
