@@ -73,6 +73,9 @@ VLLM_SHAPES = [
     pytest.param("vllm_cpu", 2, 64, torch.float8_e4m3fn, 32, id="cpu-bs32-h2x64-fp8"),
     pytest.param("vllm_cpu", 1, 32, torch.float64, 16, id="cpu-bs16-h1x32-fp64"),
     pytest.param("vllm_cpu", 2, 24, torch.bfloat16, 16, id="cpu-bs16-h2x24-bf16-part-tile"),
+    # K moves in groups of 128 bytes of dims (gather) and 64 (scatter): a head that ends in a part group
+    pytest.param("vllm_cpu", 2, 80, torch.float32, 32, id="cpu-bs32-h2x80-fp32-part-group"),
+    pytest.param("vllm_cpu", 3, 96, torch.bfloat16, 16, id="cpu-bs16-h3x96-bf16-part-group"),
     pytest.param("vllm_packed", 2, 128, torch.bfloat16, 16, id="packed-bs16-h2x128-bf16"),
     pytest.param("flash_attn", 2, 64, torch.float32, 16, id="fa-bs16-h2x64-fp32"),
     pytest.param("mla", 1, 576, torch.bfloat16, 16, id="mla-bs16-576-bf16"),
