@@ -26,7 +26,8 @@ libc's memcpy of the same runs ran at 0.7x.
 Threads: a load runs before the step's forward and a store after it, when vLLM's compute threads
 are idle, so a copy takes as many threads as torch computes with (``torch.get_num_threads()``:
 vLLM sets it to the cores of ``VLLM_CPU_OMP_THREADS_BIND``), the calling thread one of them, the
-others each pinned to one more core of that team where vLLM pinned it (``team_cores``); a copy
+others each pinned, per call, to a core other than the one the caller runs on: of the team where
+vLLM pinned it (``team_cores``), else of the cores this process may use (``helper_cores``). A copy
 under ``_MIN_BYTES_PER_THREAD`` per thread takes fewer (a hand-off costs ~30 us).
 """
 
@@ -488,22 +489,52 @@ def team_cores() -> list[int]:
     return [first, *sorted(cores - {first})]
 
 
-def _pin_to(cores: list[int], taken: list[int]) -> None:
-    """A pool thread's initializer: the next core of the team (threads created by a pinned thread
-    inherit its one core, and would all share it)."""
-    with _pool_lock:
-        i = taken[0]
-        taken[0] += 1
-    os.sched_setaffinity(0, {cores[1 + i % (len(cores) - 1)]})
+_teams: dict[int, list[int]] = {}   # per calling thread: the cores its copies may use, its own first
+_share_core = threading.local()     # per pool thread: the core it is pinned to
+
+
+def _sched_getcpu():
+    try:
+        import ctypes
+        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        getcpu.restype = ctypes.c_int
+        getcpu.argtypes = []
+        return getcpu
+    except (OSError, AttributeError):  # not glibc: the caller's core unknown
+        return lambda: -1
+
+
+_current_core = _sched_getcpu()
+
+
+def helper_cores() -> list[int]:
+    """Where the copy's other threads go this call: the cores of the caller's team (pinned by vLLM,
+    ``team_cores``) or, unpinned, those this thread may run on, without the one it runs on now."""
+    ident = threading.get_ident()
+    cores = _teams.get(ident)
+    if cores is None:
+        own = os.sched_getaffinity(0)
+        cores = _teams[ident] = team_cores() if len(own) == 1 else sorted(own)
+    now = _current_core()
+    return [c for c in cores if c != now]
+
+
+def _share(core: int, *args) -> None:
+    """A pool thread's share of a copy, run on `core` (-1: anywhere). Unpinned, a pool thread woken
+    by the caller was often started on the caller's core, stopping the caller until the scheduler
+    moved one of them: a 24 MiB load (2048 tokens, the demo's model) ran on one core at a time, 2.8-4
+    ms, where both cores take ~2.3 (bench warm-path)."""
+    if core >= 0 and getattr(_share_core, "core", -1) != core:
+        os.sched_setaffinity(0, {core})
+        _share_core.core = core
+    _copy(*args)
 
 
 def _threads_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            cores = team_cores()
-            pin = dict(initializer=_pin_to, initargs=(cores, [0])) if len(cores) > 1 else {}
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-cpu-copy", **pin)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lmcache-cpu-copy")
         return _pool
 
 
@@ -566,7 +597,8 @@ def move(gather: bool, layers: Layers, slots: torch.Tensor, chunks4: Sequence[to
     # The items are claimed one at a time, not split in fixed shares: in a request a pool thread
     # woken from idle started up to ms late, and the caller then waited for its whole share.
     pool = _threads_pool(threads - 1)
-    shares = [pool.submit(_copy, *args, claims) for _ in range(1, threads)]
+    cores = helper_cores()
+    shares = [pool.submit(_share, cores[i % len(cores)] if cores else -1, *args, claims) for i in range(threads - 1)]
     try:
         _copy(*args, claims)
     finally:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lmcache_triton.kernels import PagedTarget, cpu_copy, paged_copy
+from lmcache_triton.kernels.common import prepare_layers
 from lmcache_triton.kernels.naive import naive_gather, naive_scatter
 from lmcache_triton.tools.testing import make_kv_caches
 
@@ -177,11 +178,11 @@ def test_work_split_over_threads(layout, threads, helpers_start, compiled, monke
     item (a thread woken from idle late) and find none left."""
     monkeypatch.setattr(cpu_copy, "_MIN_BYTES_PER_THREAD", 1)
     if helpers_start == "late":
-        copy = cpu_copy._copy
+        share = cpu_copy._share
 
         def late(*args):
             time.sleep(0.05)
-            return copy(*args)
+            return share(*args)
         pool = cpu_copy._threads_pool(threads - 1)
         monkeypatch.setattr(pool, "submit", lambda fn, *args: ThreadPoolExecutor.submit(pool, late, *args))
     monkeypatch.setattr(cpu_copy.torch, "get_num_threads", lambda: threads)
@@ -241,9 +242,7 @@ def test_pool_threads_follow_a_pinned_team():
     def main_thread():              # the worker's main thread, pinned to the first
         os.sched_setaffinity(0, {first})
         seen["team"] = cpu_copy.team_cores()
-        taken = [0]
-        cpu_copy._pin_to(seen["team"], taken)
-        seen["pinned"] = sorted(os.sched_getaffinity(0))
+        seen["helpers"] = cpu_copy.helper_cores()
 
     member = threading.Thread(target=omp_thread)
     member.start()
@@ -256,5 +255,42 @@ def test_pool_threads_follow_a_pinned_team():
         done.set()
         member.join(10)
     assert seen["team"][:1] == [first] and second in seen["team"]
-    assert seen["pinned"] == [seen["team"][1]]
+    assert seen["helpers"] == seen["team"][1:]
     assert cpu_copy.team_cores() == [] or len(os.sched_getaffinity(0)) == 1  # this thread: not pinned
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_share_runs_beside_an_unpinned_caller(request):
+    """Unpinned (vLLM without a core binding), a pool thread's share is pinned, per call, to a core
+    the caller does not run on (a helper woken onto the caller's core stopped the caller), and the
+    copy is still the oracle's."""
+    import os
+
+    helpers = cpu_copy.helper_cores()
+    assert helpers and set(helpers) < os.sched_getaffinity(0)
+    request.addfinalizer(cpu_copy.close_pool)  # its threads joined: the session checks for leaks
+    gen = torch.Generator().manual_seed(11)
+    dtype, bs = torch.float32, 16
+    src = _caches("vllm_cpu", 2, 16, dtype, bs, 9, 3, lambda s: rand_tensor(s, dtype, "cpu", gen), False)
+    slots = _slots(5 * bs + 7, bs, 9, gen, skip=3)
+    want = naive_gather(src, slots, "vllm_cpu", out=sentinel_tensor((2, 3, len(slots), 32), dtype, "cpu"))
+    got = sentinel_tensor((2, 3, len(slots), 32), dtype, "cpu")
+    layers = prepare_layers(src, "vllm_cpu")
+    seen = {}
+    original = cpu_copy._share
+
+    def share(core, *args):
+        original(core, *args)
+        seen["core"], seen["affinity"] = core, os.sched_getaffinity(0)
+    pool = cpu_copy._threads_pool(1)
+    try:
+        cpu_copy._share = share
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cpu_copy, "_MIN_BYTES_PER_THREAD", 1)
+            m.setattr(cpu_copy.torch, "get_num_threads", lambda: 2)
+            cpu_copy.move(True, layers, slots, [got], [(0, len(slots))])
+    finally:
+        cpu_copy._share = original
+    assert seen["core"] in helpers and seen["affinity"] == {seen["core"]}
+    assert torch.equal(bits(got), bits(want))
+    assert pool is cpu_copy._threads_pool(1)
