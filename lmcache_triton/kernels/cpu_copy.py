@@ -33,6 +33,7 @@ under ``_MIN_BYTES_PER_THREAD`` per thread takes fewer (a hand-off costs ~30 us)
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import types
+from numba import carray, cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -460,6 +461,81 @@ def _copy(gather, w, heads, head_size, block_size, kv_together, cache_addr, cach
     _fence()
 
 
+# ---------------------------------------------------------------- on torch's OpenMP team
+
+# vLLM's thread computes with torch's OpenMP team, whose other threads spin for some ms after each
+# parallel region (libgomp's default wait policy) and so held a core through most of a load that
+# followed the step's input preparation: inside vLLM, the pool thread beside them gained little
+# (2048 tokens of the demo's model: the load 3.9-4.9 ms with the pool, 3.2-3.3 on the team; 8192:
+# 10.6-11.6 and 9.3-10.0; bench warm-path). On that thread a copy therefore runs on the team
+# itself: one OpenMP parallel region (GOMP_parallel, through ctypes, which lets go of the GIL)
+# whose threads each run `_team_copy`, taking items from the same counter. On any other thread
+# (the saver's) it would make a second team, spinning beside vLLM's: the pool serves there.
+
+@intrinsic
+def _int64s_at(typingctx, address):
+    """The int64 array at an integer address, as a pointer numba's carray takes."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], _I64.as_pointer())
+    return types.CPointer(types.int64)(types.int64), codegen
+
+
+def _team_copy(params):
+    """One team thread's part: `_copy` with its arguments from the int64 array `params` (scalars,
+    then the shapes and addresses of its arrays, see ``_team_run``)."""
+    p = carray(params, 15, np.int64)
+    layers, kv, chunks, units = p[6], p[7], p[8], p[9]
+    _copy(p[0] != 0, p[1], p[2], p[3], p[4], p[5] != 0, carray(_int64s_at(p[10]), (layers, kv)),
+          carray(_int64s_at(p[11]), (kv, 4)), carray(_int64s_at(p[12]), (chunks, 4)),
+          carray(_int64s_at(p[13]), (units, 5)), carray(_int64s_at(p[14]), (1,)))
+
+
+_team_entry = None   # the address of `_team_copy` compiled as a C function: made on first use
+
+
+def team_entry() -> int:
+    global _team_entry
+    if _team_entry is None:
+        _team_entry = cfunc(types.void(types.voidptr), nogil=True, cache=True)(_team_copy).address
+    return _team_entry
+
+
+def _find_openmp_parallel():
+    """GOMP_parallel as torch's own code finds it: in the process's global scope, where torch puts
+    its OpenMP runtime (libgomp, or an Intel or LLVM runtime preloaded in its place, which export
+    it too); libraries that bundle a runtime of their own (sentencepiece does) keep theirs apart.
+    None where there is none (the pool serves)."""
+    try:
+        fn = ctypes.CDLL(None).GOMP_parallel
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    fn.restype = None
+    return fn
+
+
+_openmp_parallel = None   # found on first use
+
+
+def _on_team() -> bool:
+    """Whether this copy runs on torch's OpenMP team: on the thread that computes with it (vLLM's
+    worker runs the model on its process's main thread) and where the runtime is found."""
+    global _openmp_parallel
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _openmp_parallel is None:
+        _openmp_parallel = _find_openmp_parallel() or False
+    return _openmp_parallel is not False
+
+
+def _team_run(threads: int, args: tuple, claims: np.ndarray) -> None:
+    gather, w, heads, head_size, block_size, together, addresses, strides, table, units = args
+    arrays = [np.ascontiguousarray(a) for a in (addresses, strides, table, units)]
+    params = np.array([gather, w, heads, head_size, block_size, together, *addresses.shape, table.shape[0],
+                       units.shape[0], *(a.ctypes.data for a in arrays), claims.ctypes.data], np.int64)
+    _openmp_parallel(team_entry(), params.ctypes.data, threads, 0)
+
+
 # ---------------------------------------------------------------- the launcher
 
 # Below this many bytes per thread a copy takes fewer threads: handing a share to the pool and
@@ -594,6 +670,9 @@ def move(gather: bool, layers: Layers, slots: torch.Tensor, chunks4: Sequence[to
     if threads == 1:
         _copy(*args, claims)
         return
+    if _on_team():
+        _team_run(threads, args, claims)
+        return
     # The items are claimed one at a time, not split in fixed shares: in a request a pool thread
     # woken from idle started up to ms late, and the caller then waited for its whole share.
     pool = _threads_pool(threads - 1)
@@ -618,3 +697,4 @@ def warm_up() -> None:
     chunk, slots = torch.zeros(2, 1, 1, 32, dtype=torch.int16), torch.zeros(1, dtype=torch.int64)
     move(True, layers, slots, [chunk], [(0, 1)])
     move(False, layers, slots, [chunk], [(0, 1)])
+    team_entry()

@@ -171,13 +171,20 @@ def test_chunk_rows_off_a_32_byte_boundary(direction, offset, compiled):
 
 @pytest.mark.parametrize("threads", [2, 3], ids=lambda t: f"threads{t}")
 @pytest.mark.parametrize("layout", ["vllm_cpu", "vllm_packed"])
-@pytest.mark.parametrize("helpers_start", ["at-once", "late"])
-def test_work_split_over_threads(layout, threads, helpers_start, compiled, monkeypatch, request):
+@pytest.mark.parametrize("helpers", ["team", "pool-at-once", "pool-late"])
+def test_work_split_over_threads(layout, threads, helpers, compiled, monkeypatch, request):
     """The threads take the (run, layer) items from one counter, however many each gets: the
-    result is the oracle's, also when the pool's threads start after the caller has taken every
+    result is the oracle's, on torch's OpenMP team (the main thread's copies) and on the pool
+    (any other thread's), also when the pool's threads start after the caller has taken every
     item (a thread woken from idle late) and find none left."""
     monkeypatch.setattr(cpu_copy, "_MIN_BYTES_PER_THREAD", 1)
-    if helpers_start == "late":
+    if helpers == "team":
+        if not cpu_copy._on_team():
+            pytest.skip("no OpenMP runtime found in this process")
+        monkeypatch.setattr(cpu_copy, "_threads_pool", None)  # the pool must not serve
+    else:
+        monkeypatch.setattr(cpu_copy, "_on_team", lambda: False)
+    if helpers == "pool-late":
         share = cpu_copy._share
 
         def late(*args):
@@ -260,7 +267,7 @@ def test_pool_threads_follow_a_pinned_team():
 
 
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_a_share_runs_beside_an_unpinned_caller(request):
+def test_a_share_runs_beside_an_unpinned_caller(request, monkeypatch):
     """Unpinned (vLLM without a core binding), a pool thread's share is pinned, per call, to a core
     the caller does not run on (a helper woken onto the caller's core stopped the caller), and the
     copy is still the oracle's."""
@@ -268,6 +275,7 @@ def test_a_share_runs_beside_an_unpinned_caller(request):
 
     helpers = cpu_copy.helper_cores()
     assert helpers and set(helpers) < os.sched_getaffinity(0)
+    monkeypatch.setattr(cpu_copy, "_on_team", lambda: False)  # a thread other than vLLM's
     request.addfinalizer(cpu_copy.close_pool)  # its threads joined: the session checks for leaks
     gen = torch.Generator().manual_seed(11)
     dtype, bs = torch.float32, 16
@@ -294,3 +302,16 @@ def test_a_share_runs_beside_an_unpinned_caller(request):
     assert seen["core"] in helpers and seen["affinity"] == {seen["core"]}
     assert torch.equal(bits(got), bits(want))
     assert pool is cpu_copy._threads_pool(1)
+
+
+def test_only_the_main_thread_copies_on_the_openmp_team():
+    """A copy on vLLM's thread (its process's main thread) runs on torch's OpenMP team; on any
+    other thread (the saver's) it would make a second team spinning beside vLLM's: the pool."""
+    import threading
+
+    seen = {}
+    t = threading.Thread(target=lambda: seen.update(team=cpu_copy._on_team()))
+    t.start()
+    t.join(10)
+    assert seen == {"team": False}
+    assert cpu_copy._on_team() == (cpu_copy._find_openmp_parallel() is not None)
