@@ -466,8 +466,8 @@ def _copy(gather, w, heads, head_size, block_size, kv_together, cache_addr, cach
 # vLLM's thread computes with torch's OpenMP team, whose other threads spin for some ms after each
 # parallel region (libgomp's default wait policy) and so held a core through most of a load that
 # followed the step's input preparation: inside vLLM, the pool thread beside them gained little
-# (2048 tokens of the demo's model: the load 3.9-4.9 ms with the pool, 3.2-3.3 on the team; 8192:
-# 10.6-11.6 and 9.3-10.0; bench warm-path). On that thread a copy therefore runs on the team
+# (2048 tokens of the demo's model: the load 3.9-4.9 ms with the pool, 3.2-3.7 on the team; 8192:
+# 10.6-11.6 and 9.1-10.7; bench warm-path). On that thread a copy therefore runs on the team
 # itself: one OpenMP parallel region (GOMP_parallel, through ctypes, which lets go of the GIL)
 # whose threads each run `_team_copy`, taking items from the same counter. On any other thread
 # (the saver's) it would make a second team, spinning beside vLLM's: the pool serves there.

@@ -299,7 +299,7 @@ def test_a_share_runs_beside_an_unpinned_caller(request, monkeypatch):
             cpu_copy.move(True, layers, slots, [got], [(0, len(slots))])
     finally:
         cpu_copy._share = original
-    assert seen["core"] in helpers and seen["affinity"] == {seen["core"]}
+    assert seen["affinity"] == {seen["core"]} and seen["core"] in os.sched_getaffinity(0)  # the caller may move
     assert torch.equal(bits(got), bits(want))
     assert pool is cpu_copy._threads_pool(1)
 
