@@ -571,7 +571,6 @@ _share_core = threading.local()     # per pool thread: the core it is pinned to
 
 def _sched_getcpu():
     try:
-        import ctypes
         getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
         getcpu.restype = ctypes.c_int
         getcpu.argtypes = []
